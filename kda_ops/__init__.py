@@ -1,0 +1,23 @@
+"""kda-ops: Kimi Delta Attention and Gated DeltaNet as first-class PyTorch ops.
+
+Importing this package registers the ``torch.ops.kda`` ops (needed before
+``torch.export.load`` of a program that uses them).
+"""
+
+from kda_ops.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_update_inplace
+from kda_ops.delta_rule import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
+from kda_ops.gate import kda_gate
+from kda_ops.gated_norm import gated_rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "causal_conv1d_update_inplace",
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "fused_recurrent_kda_inplace",
+    "gated_rms_norm",
+    "kda_gate",
+]

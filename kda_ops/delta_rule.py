@@ -1,0 +1,358 @@
+"""KDA and Gated DeltaNet: the public functions and their ``torch.ops.kda`` ops.
+
+Ops (schemas are inferred from the annotations below):
+
+- ``kda::chunk`` / ``kda::recurrent``: functional, ``(o, final_state)``; chunkwise and
+  token-recurrent kernels of the same math.
+- ``kda::recurrent_``: in-place serving flavour; reads and writes a state pool at
+  ``state_indices`` (for CUDA-graph decode).
+- ``kda::delta_rule_backward``: the gradients of both functional ops.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops import reference
+from kda_ops.validation import MAX_HEAD_DIM, ArgumentChecker, check_delta_rule
+
+SAFE_GATE_MIN_LOWER_BOUND = -5.0
+
+
+def _delta_rule_reference(
+    form: reference.DeltaRuleForm,
+) -> reference.DeltaRuleForm:
+    def kernel(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        A_log: Optional[Tensor],
+        dt_bias: Optional[Tensor],
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        scale: float,
+        lower_bound: Optional[float],
+        use_qk_l2norm: bool,
+        use_beta_sigmoid: bool,
+    ) -> tuple[Tensor, Tensor]:
+        return reference.delta_rule(
+            form, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+            scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+        )  # fmt: skip
+
+    return kernel
+
+
+chunk_op = torch.library.custom_op("kda::chunk", mutates_args=())(
+    _delta_rule_reference(reference.chunk_delta_rule)
+)
+recurrent_op = torch.library.custom_op("kda::recurrent", mutates_args=())(
+    _delta_rule_reference(reference.recurrent_delta_rule)
+)
+
+
+def _state_dtype(inputs: Tensor) -> torch.dtype:
+    return torch.float64 if inputs.dtype == torch.float64 else torch.float32
+
+
+def _delta_rule_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor]:
+    torch._check(k.shape == q.shape)
+    torch._check(v.shape[2] % q.shape[2] == 0)
+    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = q.new_empty(n_seqs, v.shape[2], q.shape[3], v.shape[3], dtype=_state_dtype(q))
+    return v.new_empty(v.shape), state
+
+
+@torch.library.custom_op("kda::delta_rule_backward", mutates_args=())
+def delta_rule_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    grad_o: Tensor,
+    grad_final_state: Tensor,
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for (q, k, v, g, beta, A_log, dt_bias, initial_state); an absent
+    optional input gets an empty tensor."""
+
+    def forward(*primals: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        return reference.delta_rule(
+            reference.chunk_delta_rule, *primals[:7], primals[7], cu_seqlens,
+            scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+        )  # fmt: skip
+
+    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return reference.vjp(forward, primals, (grad_o, grad_final_state))
+
+
+@delta_rule_backward_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
+      scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
+
+
+def _delta_rule_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:9])
+    ctx.config = inputs[9:]
+
+
+def _delta_rule_backward(ctx, grad_o: Tensor, grad_final_state: Tensor):
+    saved = ctx.saved_tensors
+    grads = delta_rule_backward_op(*saved, grad_o, grad_final_state, *ctx.config)
+    grads = tuple(None if p is None else grad for p, grad in zip(saved, grads))
+    return grads + (None,) * (1 + len(ctx.config))
+
+
+for _op in (chunk_op, recurrent_op):
+    _op.register_fake(_delta_rule_fake)
+    _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
+
+
+@torch.library.custom_op("kda::recurrent_", mutates_args=("state_pool",))
+def recurrent_inplace_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    state_pool: Tensor,
+    state_indices: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> Tensor:
+    """Recurrent step(s) on slots of ``state_pool`` ``[P, HV, K, V]``.
+
+    Sequence n reads and writes slot ``state_indices[n]`` (slot n without indices). A
+    negative index marks padding: that sequence starts from a zero state and writes
+    nothing back.
+    """
+    if state_indices is None:
+        states = state_pool
+    else:
+        valid = state_indices >= 0
+        gathered = state_pool[state_indices.clamp(min=0)]
+        states = torch.where(valid[:, None, None, None], gathered, 0)
+    o, final = reference.delta_rule(
+        reference.recurrent_delta_rule, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens,
+        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
+    if state_indices is None:
+        state_pool.copy_(final)
+    else:
+        state_pool[state_indices[valid]] = final[valid].to(state_pool.dtype)
+    return o
+
+
+@recurrent_inplace_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, scale,
+      lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    return v.new_empty(v.shape)
+
+
+def _resolve_scale(scale: Optional[float], head_k: int) -> float:
+    return head_k**-0.5 if scale is None else float(scale)
+
+
+def _gate_args(
+    function: str,
+    use_gate_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    safe_gate: bool = False,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[float]]:
+    """The gate tensors the op sees: none unless the gate is computed in the kernel
+    (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we)."""
+    if not use_gate_in_kernel:
+        return None, None, None
+    if safe_gate and not (lower_bound is not None and SAFE_GATE_MIN_LOWER_BOUND <= lower_bound < 0):
+        ArgumentChecker(function).fail(
+            ValueError,
+            f"`safe_gate=True` needs `lower_bound` in [{SAFE_GATE_MIN_LOWER_BOUND}, 0), "
+            f"got {lower_bound}",
+        )
+    return A_log, dt_bias, None if lower_bound is None else float(lower_bound)
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    safe_gate: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Chunkwise KDA / Gated DeltaNet (prefill and training), like ``fla.ops.kda.chunk_kda``.
+
+    Args:
+        q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64 (one dtype with v).
+        v: ``[B, T, HV, V]`` with ``HV % H == 0``; value head ``hv`` reads q/k head
+            ``hv // (HV // H)``. K, V <= 256.
+        g: log-decay ``[B, T, HV, K]`` (KDA) or ``[B, T, HV]`` (Gated DeltaNet), or the raw
+            gate with ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]``, post-sigmoid unless ``use_beta_sigmoid_in_kernel``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` float32 (float64 for float64 inputs).
+        output_final_state: return the final state (else ``None``).
+        use_qk_l2norm_in_kernel: divide q and k by ``sqrt(sum(x²) + 1e-6)`` first.
+        use_gate_in_kernel: g is raw; the log-decay is ``kda_gate(g, A_log, dt_bias,
+            lower_bound)``.
+        use_beta_sigmoid_in_kernel: apply sigmoid to beta.
+        A_log: ``[HV]`` float32; dt_bias: ``[HV * K]`` (``[HV]`` for GDN) float32.
+        lower_bound: negative lower bound of the safe gate (Kimi K3 uses -5).
+        cu_seqlens: int32/int64 ``[N + 1]`` packed-sequence offsets; needs ``B == 1``.
+        safe_gate: FLA's hint that ``lower_bound`` lies in [-5, 0); checked, else unused.
+
+    Returns:
+        o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,
+        float64 for float64 inputs) or ``None``.
+    """
+    check_delta_rule(
+        "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    )  # fmt: skip
+    gate = _gate_args("chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+    o, final_state = chunk_op(
+        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
+    return o, final_state if output_final_state else None
+
+
+def fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Token-recurrent KDA / Gated DeltaNet (decode), like ``fla.ops.kda.fused_recurrent_kda``
+    (FLA's argument order: ``A_log`` and ``dt_bias`` follow ``beta``).
+
+    Same arguments, shapes and results as :func:`chunk_kda`; differentiable too.
+    """
+    check_delta_rule(
+        "fused_recurrent_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+    )  # fmt: skip
+    gate = _gate_args("fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    o, final_state = recurrent_op(
+        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
+    return o, final_state if output_final_state else None
+
+
+def fused_recurrent_kda_inplace(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Optional[Tensor] = None,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """Recurrent KDA that advances states inside a pool, for serving with CUDA graphs.
+
+    Args:
+        state_pool: ``[P, HV, K, V]`` float32 (float64 for float64 inputs), updated in
+            place.
+        state_indices: int32/int64 ``[N]``: sequence n reads and writes slot
+            ``state_indices[n]``; a negative index marks a padding sequence (zero start
+            state, nothing written). Without it, ``P == N`` and slot n is sequence n.
+        The rest as in :func:`fused_recurrent_kda`; T >= 1 tokens per sequence.
+
+    Returns:
+        o ``[B, T, HV, V]`` in v's dtype. Not differentiable.
+    """
+    function = "fused_recurrent_kda_inplace"
+    n_seqs = check_delta_rule(
+        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    check = ArgumentChecker(function)
+    heads, head_k, head_v = v.shape[2], q.shape[3], v.shape[3]
+    pool_size = state_pool.shape[0] if isinstance(state_pool, Tensor) else 0
+    if state_indices is None:
+        pool_size = n_seqs
+    else:
+        check.state_indices(state_indices, n_seqs)
+    check.state("state_pool", state_pool, (pool_size, heads, head_k, head_v), q)
+    check.same_device(q=q, state_pool=state_pool, state_indices=state_indices)
+    gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    return recurrent_inplace_op(
+        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
+        _resolve_scale(scale, head_k), gate[2], use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
+
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "fused_recurrent_kda_inplace",
+]

@@ -1,0 +1,172 @@
+"""Argument checks run by the public functions before any kernel.
+
+Every failure is a ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
+device or flag combination) whose message names the function, the argument and what was
+expected. Checks read shapes, dtypes and devices only, never tensor values, so they run
+unchanged under ``torch.compile`` and ``torch.export``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256
+
+
+class ArgumentChecker:
+    """Checks the arguments of one public function; messages start with its name."""
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def fail(self, error: type[Exception], message: str) -> None:
+        raise error(f"{self.function}: {message}")
+
+    def tensor(
+        self,
+        name: str,
+        x: object,
+        *,
+        dims: int | Sequence[int] | None = None,
+        dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    ) -> Tensor:
+        if not isinstance(x, Tensor):
+            self.fail(TypeError, f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in dtypes:
+            names = ", ".join(str(d) for d in dtypes)
+            self.fail(TypeError, f"`{name}` must have dtype in ({names}), got {x.dtype}")
+        allowed = (dims,) if isinstance(dims, int) else dims
+        if allowed is not None and x.dim() not in allowed:
+            expected = " or ".join(str(d) for d in allowed)
+            self.fail(ValueError, f"`{name}` must be {expected}-D, got shape {tuple(x.shape)}")
+        return x
+
+    def shape(self, name: str, x: Tensor, expected: Sequence[object], layout: str) -> None:
+        if tuple(x.shape) != tuple(expected):
+            self.fail(
+                ValueError,
+                f"`{name}` must have shape {layout} = {tuple(expected)}, got {tuple(x.shape)}",
+            )
+
+    def same_device(self, **tensors: Tensor | None) -> None:
+        present = {name: t for name, t in tensors.items() if t is not None}
+        first_name, first = next(iter(present.items()))
+        for name, t in present.items():
+            if t.device != first.device:
+                self.fail(
+                    ValueError,
+                    f"all tensors must be on one device: `{first_name}` is on {first.device} "
+                    f"but `{name}` is on {t.device}",
+                )
+
+    def same_dtype(self, **tensors: Tensor) -> None:
+        (first_name, first), *rest = tensors.items()
+        for name, t in rest:
+            if t.dtype != first.dtype:
+                self.fail(
+                    TypeError,
+                    f"`{name}` must have the dtype of `{first_name}` ({first.dtype}), "
+                    f"got {t.dtype}",
+                )
+
+    def state(self, name: str, x: object, expected: Sequence[object], inputs: Tensor) -> Tensor:
+        """A recurrent state: float32 (float64 when the inputs are float64)."""
+        dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+        state = self.tensor(name, x, dims=4, dtypes=(dtype,))
+        self.shape(name, state, expected, "(N, HV, K, V)")
+        return state
+
+    def cu_seqlens(self, cu_seqlens: object, batch: int) -> Tensor:
+        seqlens = self.tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=INDEX_DTYPES)
+        if batch != 1:
+            self.fail(
+                ValueError,
+                f"with `cu_seqlens` the batch size must be 1 (sequences are packed along T), "
+                f"got B = {batch}",
+            )
+        if seqlens.shape[0] < 2:
+            self.fail(ValueError, "`cu_seqlens` must hold at least 2 offsets [0, ..., T]")
+        return seqlens
+
+    def state_indices(self, state_indices: object, n_seqs: int) -> Tensor:
+        indices = self.tensor("state_indices", state_indices, dims=1, dtypes=INDEX_DTYPES)
+        self.shape("state_indices", indices, (n_seqs,), "(N,)")
+        return indices
+
+
+def check_delta_rule(
+    function: str,
+    q: object,
+    k: object,
+    v: object,
+    g: object,
+    beta: object,
+    *,
+    A_log: object,
+    dt_bias: object,
+    lower_bound: float | None,
+    use_gate_in_kernel: bool,
+    cu_seqlens: object,
+    initial_state: object = None,
+) -> int:
+    """Checks the inputs shared by chunk and recurrent KDA / GDN; returns N, the number
+    of sequences (B, or ``len(cu_seqlens) - 1``)."""
+    check = ArgumentChecker(function)
+    q = check.tensor("q", q, dims=4)
+    k = check.tensor("k", k, dims=4)
+    v = check.tensor("v", v, dims=4)
+    g = check.tensor("g", g, dims=(3, 4))
+    beta = check.tensor("beta", beta, dims=3)
+    check.same_dtype(q=q, k=k, v=v)
+    batch, length, heads, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    check.shape("k", k, q.shape, "(B, T, H, K) like `q`")
+    check.shape("v", v, (batch, length, value_heads, head_v), "(B, T, HV, V)")
+    if value_heads % heads != 0:
+        check.fail(
+            ValueError,
+            f"the value heads of `v` (HV = {value_heads}) must be a multiple of the q/k "
+            f"heads (H = {heads})",
+        )
+    for name, size in (("K", head_k), ("V", head_v)):
+        if size > MAX_HEAD_DIM:
+            check.fail(ValueError, f"head dim {name} = {size} exceeds {MAX_HEAD_DIM}")
+    if g.dim() == 4:
+        check.shape("g", g, (batch, length, value_heads, head_k), "(B, T, HV, K)")
+    else:
+        check.shape("g", g, (batch, length, value_heads), "(B, T, HV) (Gated DeltaNet)")
+    check.shape("beta", beta, (batch, length, value_heads), "(B, T, HV)")
+    if use_gate_in_kernel:
+        if A_log is None:
+            check.fail(ValueError, "`use_gate_in_kernel=True` needs `A_log` of shape (HV,)")
+        A_log = check.tensor("A_log", A_log, dims=1)
+        check.shape("A_log", A_log, (value_heads,), "(HV,)")
+        if dt_bias is not None:
+            channels = value_heads * (head_k if g.dim() == 4 else 1)
+            dt_bias = check.tensor("dt_bias", dt_bias, dims=1)
+            layout = "(HV * K,)" if g.dim() == 4 else "(HV,)"
+            check.shape("dt_bias", dt_bias, (channels,), layout)
+        if lower_bound is not None and not lower_bound < 0:
+            check.fail(ValueError, f"`lower_bound` must be negative, got {lower_bound}")
+    n_seqs = batch
+    if cu_seqlens is not None:
+        n_seqs = check.cu_seqlens(cu_seqlens, batch).shape[0] - 1
+    if initial_state is not None:
+        check.state("initial_state", initial_state, (n_seqs, value_heads, head_k, head_v), q)
+    check.same_device(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log if use_gate_in_kernel else None,
+        dt_bias=dt_bias if use_gate_in_kernel else None,
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+    )
+    return n_seqs
