@@ -20,6 +20,7 @@ Per token and head, with S of shape ``[K, V]`` and row vectors:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -135,7 +136,7 @@ def chunk_delta_rule(
     ``S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ u``. Pairwise factors are formed as
     ``exp(G_i - G_j)`` over causal pairs only, so no ratio of decays overflows.
     """
-    batch, length = q.shape[:2]
+    _batch, length = q.shape[:2]
     pad = -length % chunk_size
     # Padding tokens have k = v = beta = 0 and no decay: they leave the state untouched.
     q, k, v, g, beta = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta))
@@ -210,7 +211,7 @@ def delta_rule(
         return o.to(v.dtype).contiguous(), state
     outputs, states = [], []
     bounds = cu_seqlens.tolist()
-    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for n, (start, end) in enumerate(itertools.pairwise(bounds)):
         seq = (x[:, start:end] for x in (q, k, v_c, g, beta))
         o, final = form(*seq, scale, state[n : n + 1])
         outputs.append(o)
@@ -259,7 +260,7 @@ def causal_conv1d(
         bounds = cu_seqlens.tolist()
         windows = [
             torch.cat([history[n], xf[0, s:e]]).unsqueeze(0)
-            for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))
+            for n, (s, e) in enumerate(itertools.pairwise(bounds))
         ]
     outputs = [_depthwise_conv(w, weight.to(dtype)) for w in windows]
     y = outputs[0] if cu_seqlens is None else torch.cat(outputs, dim=1)
@@ -278,27 +279,36 @@ def _depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
     return sum(window[:, tap : tap + length] * weight[:, tap] for tap in range(width))
 
 
+def _autograd_reenabled() -> torch._C._ForceDispatchKeyGuard:
+    """Undo the dispatcher's exclusion of the autograd keys, which is in force inside every
+    op kernel (the kernel runs below autograd), so the kernel can differentiate."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def vjp(
     fn: Callable[..., Tensor | tuple[Tensor, ...]],
     primals: tuple[Tensor | None, ...],
     cotangents: tuple[Tensor, ...],
 ) -> tuple[Tensor, ...]:
-    """Vector-Jacobian product of ``fn`` by recomputing it under ``torch.func.vjp``.
+    """Vector-Jacobian product of ``fn`` by recomputing it under autograd.
 
     ``primals`` are fn's differentiable arguments (``None`` where an optional one is
     absent); ``cotangents`` match fn's outputs. Returns one gradient per primal; an absent
     primal gets an empty tensor, so the result is a tuple of tensors (what a custom op can
-    return). ``torch.func`` rather than ``torch.autograd.grad``: it works inside an op's
-    kernel, where the dispatcher has already stripped the autograd keys.
+    return). Meant to be called from an op's kernel.
     """
-    present = [p for p in primals if p is not None]
-
-    def fn_of_present(*tensors: Tensor):
-        given = iter(tensors)
-        return fn(*(None if p is None else next(given) for p in primals))
-
-    _, pullback = torch.func.vjp(fn_of_present, *present)
-    cotangents = cotangents if len(cotangents) > 1 else cotangents[0]
+    with _autograd_reenabled(), torch.enable_grad():
+        leaves = tuple(None if p is None else p.detach().requires_grad_() for p in primals)
+        outputs = fn(*leaves)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        present = [leaf for leaf in leaves if leaf is not None]
+        grads = torch.autograd.grad(outputs, present, cotangents, allow_unused=True)
     # Contiguous, and never a view: an op's outputs may not alias its inputs or each other.
-    grads = iter(g.clone() if g._is_view() else g.contiguous() for g in pullback(cotangents))
+    grads = iter(
+        torch.zeros_like(leaf) if g is None else g.clone() if g._is_view() else g.contiguous()
+        for leaf, g in zip(present, grads)
+    )
     return tuple(present[0].new_empty(0) if p is None else next(grads) for p in primals)

@@ -1,6 +1,8 @@
 """The math contract: the seeds' executable examples, chunk form == recurrent form, and
 the reference against independent formulations."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,7 +151,7 @@ def test_varlen_equals_per_sequence_loop(op):
         x.q, x.k, x.v, x.g, x.beta, initial_state=x.initial_state,
         cu_seqlens=torch.tensor(bounds), **kwargs,
     )  # fmt: skip
-    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for n, (start, end) in enumerate(itertools.pairwise(bounds)):
         piece = (t[:, start:end] for t in (x.q, x.k, x.v, x.g, x.beta))
         o_n, s_n = op(*piece, initial_state=x.initial_state[n : n + 1], **kwargs)
         torch.testing.assert_close(o[:, start:end], o_n)
@@ -287,7 +289,7 @@ def test_causal_conv1d_varlen_and_update_chain():
     y, final = kda_ops.causal_conv1d(
         x, weight, initial_state=history, cu_seqlens=torch.tensor(bounds)
     )
-    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for n, (s, e) in enumerate(itertools.pairwise(bounds)):
         y_n, final_n = kda_ops.causal_conv1d(x[:, s:e], weight, initial_state=history[n : n + 1])
         torch.testing.assert_close(y[:, s:e], y_n)
         torch.testing.assert_close(final[n : n + 1], final_n)
