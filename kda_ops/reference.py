@@ -107,6 +107,8 @@ def recurrent_delta_rule(
     q, k, g ``[B, T, HV, K]``; v ``[B, T, HV, V]``; beta ``[B, T, HV]``; state
     ``[B, HV, K, V]``. Returns o ``[B, T, HV, V]`` and the final state.
     """
+    if q.shape[1] == 0:
+        return torch.zeros_like(v), state
     outputs = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp().unsqueeze(-1)
@@ -136,7 +138,9 @@ def chunk_delta_rule(
     ``S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ u``. Pairwise factors are formed as
     ``exp(G_i - G_j)`` over causal pairs only, so no ratio of decays overflows.
     """
-    _batch, length = q.shape[:2]
+    length = q.shape[1]
+    if length == 0:
+        return torch.zeros_like(v), state
     pad = -length % chunk_size
     # Padding tokens have k = v = beta = 0 and no decay: they leave the state untouched.
     q, k, v, g, beta = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta))
