@@ -79,6 +79,6 @@ kda_nodes = sorted(
     str(node.target) for node in program.graph.nodes if str(node.target).startswith("kda.")
 )
 print("torch.export nodes:", kda_nodes)
-shorter = tuple(t[:, :50] for t in inputs[:6]) + (norm_weight,)
+shorter = (*(t[:, :50] for t in inputs[:6]), norm_weight)
 torch.testing.assert_close(program.module()(*shorter)[0], layer_core(*shorter)[0])
 print("exported program matches eager at T = 50")
