@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import kernels, reference
 from kda_ops.validation import ArgumentChecker
 
 ACTIVATIONS = {None: "identity", "identity": "identity", "silu": "silu", "swish": "silu"}
@@ -76,8 +76,7 @@ def _backward(ctx, grad_y: Tensor, grad_final_state: Tensor):
 causal_conv1d_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("kda::causal_conv1d_update_", mutates_args=("conv_state",))
-def causal_conv1d_update_inplace_op(
+def causal_conv1d_update_inplace_reference(
     x: Tensor,
     conv_state: Tensor,
     weight: Tensor,
@@ -103,9 +102,44 @@ def causal_conv1d_update_inplace_op(
     return y
 
 
+causal_conv1d_update_inplace_op = torch.library.custom_op(
+    "kda::causal_conv1d_update_", mutates_args=("conv_state",)
+)(causal_conv1d_update_inplace_reference)
+
+
 @causal_conv1d_update_inplace_op.register_fake
 def _(x, conv_state, weight, bias, state_indices, activation):
     return x.new_empty(x.shape)
+
+
+if kernels.AVAILABLE:
+    from kda_ops.kernels.conv import launch_causal_conv1d
+
+    def _uses_reference(*tensors: Optional[Tensor]) -> bool:
+        """The kernels compute in fp32; fp64 is the oracle's."""
+        return reference.compute_dtype(*tensors) == torch.float64
+
+    @causal_conv1d_op.register_kernel("cuda")
+    def _(x, weight, bias, initial_state, cu_seqlens, activation):
+        if _uses_reference(x, weight, bias, initial_state):
+            return reference.causal_conv1d(x, weight, bias, initial_state, cu_seqlens, activation)
+        n_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        state_dtype = x.dtype if initial_state is None else initial_state.dtype
+        state = x.new_empty(n_seqs, x.shape[2], weight.shape[1] - 1, dtype=state_dtype)
+        y = launch_causal_conv1d(
+            x, weight, bias, initial_state, state, None, cu_seqlens, activation
+        )
+        return y, state
+
+    @causal_conv1d_update_inplace_op.register_kernel("cuda")
+    def _(x, conv_state, weight, bias, state_indices, activation):
+        if _uses_reference(x, conv_state, weight, bias):
+            return causal_conv1d_update_inplace_reference(
+                x, conv_state, weight, bias, state_indices, activation
+            )
+        return launch_causal_conv1d(
+            x, weight, bias, conv_state, conv_state, state_indices, None, activation
+        )
 
 
 def _check_conv(

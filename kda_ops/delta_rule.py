@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import kernels, reference
 from kda_ops.validation import MAX_HEAD_DIM, ArgumentChecker, check_delta_rule
 
 SAFE_GATE_MIN_LOWER_BOUND = -5.0
@@ -46,12 +46,10 @@ def _delta_rule_reference(
     return kernel
 
 
-chunk_op = torch.library.custom_op("kda::chunk", mutates_args=())(
-    _delta_rule_reference(reference.chunk_delta_rule)
-)
-recurrent_op = torch.library.custom_op("kda::recurrent", mutates_args=())(
-    _delta_rule_reference(reference.recurrent_delta_rule)
-)
+chunk_reference = _delta_rule_reference(reference.chunk_delta_rule)
+recurrent_reference = _delta_rule_reference(reference.recurrent_delta_rule)
+chunk_op = torch.library.custom_op("kda::chunk", mutates_args=())(chunk_reference)
+recurrent_op = torch.library.custom_op("kda::recurrent", mutates_args=())(recurrent_reference)
 
 
 def _state_dtype(inputs: Tensor) -> torch.dtype:
@@ -135,8 +133,7 @@ for _op in (chunk_op, recurrent_op):
     _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
-@torch.library.custom_op("kda::recurrent_", mutates_args=("state_pool",))
-def recurrent_inplace_op(
+def recurrent_inplace_reference(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -175,10 +172,44 @@ def recurrent_inplace_op(
     return o
 
 
+recurrent_inplace_op = torch.library.custom_op("kda::recurrent_", mutates_args=("state_pool",))(
+    recurrent_inplace_reference
+)
+
+
 @recurrent_inplace_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, scale,
       lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
     return v.new_empty(v.shape)
+
+
+if kernels.AVAILABLE:
+    from kda_ops.kernels.recurrent import launch_recurrent_kda
+
+    @recurrent_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias)
+        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return recurrent_reference(*args, initial_state, cu_seqlens, *config)
+        n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        state = q.new_empty(n_seqs, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+        o = launch_recurrent_kda(*args, initial_state, state, None, cu_seqlens, *config)
+        return o, state
+
+    @recurrent_inplace_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, scale,
+          lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias)
+        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        if q.dtype == torch.float64:
+            return recurrent_inplace_reference(
+                *args, state_pool, state_indices, cu_seqlens, *config
+            )
+        return launch_recurrent_kda(
+            *args, state_pool, state_pool, state_indices, cu_seqlens, *config
+        )
 
 
 def _resolve_scale(scale: Optional[float], head_k: int) -> float:

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import kernels, reference
 from kda_ops.validation import ArgumentChecker
 
 
@@ -59,6 +59,15 @@ def _backward(ctx, grad_out: Tensor):
 
 
 gate_op.register_autograd(_backward, setup_context=_setup_context)
+
+if kernels.AVAILABLE:
+    from kda_ops.kernels.gate import launch_kda_gate
+
+    @gate_op.register_kernel("cuda")
+    def _(g, A_log, dt_bias, lower_bound):
+        if reference.compute_dtype(g, A_log, dt_bias) == torch.float64:
+            return reference.kda_gate(g, A_log, dt_bias, lower_bound)
+        return launch_kda_gate(g, A_log, dt_bias, lower_bound)
 
 
 def kda_gate(

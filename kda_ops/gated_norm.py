@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import kernels, reference
 from kda_ops.validation import ArgumentChecker
 
 ACTIVATIONS = ("sigmoid", "silu")
@@ -50,6 +50,15 @@ def _backward(ctx, grad_out: Tensor):
 
 
 gated_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+if kernels.AVAILABLE:
+    from kda_ops.kernels.gated_norm import launch_gated_rms_norm
+
+    @gated_rms_norm_op.register_kernel("cuda")
+    def _(x, gate, weight, eps, activation):
+        if x.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return reference.gated_rms_norm(x, gate, weight, eps, activation)
+        return launch_gated_rms_norm(x, gate, weight, eps, activation)
 
 
 def gated_rms_norm(

@@ -1,0 +1,48 @@
+"""The KDA gate: elementwise log-decay from the raw gate, in fp32."""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def kda_gate_kernel(
+    g, A_log, dt_bias, out, lower_bound, n_rows,
+    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BK)
+    mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
+    heads = rows % HV
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    b_g = tl.load(g + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        b_g += tl.load(dt_bias + heads[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    rate = tl.exp(tl.load(A_log + heads, mask=rows < n_rows, other=0.0).to(tl.float32))[:, None]
+    if USE_LOWER_BOUND:
+        b_out = lower_bound * tl.sigmoid(rate * b_g)
+    else:
+        b_out = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
+    tl.store(out + offsets, b_out, mask=mask)
+
+
+def launch_kda_gate(
+    g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor], lower_bound: Optional[float]
+) -> Tensor:
+    """g ``[..., HV, K]`` -> float32 log-decay of g's shape."""
+    g = g.contiguous()
+    out = torch.empty_like(g, dtype=torch.float32)
+    heads, channels = g.shape[-2], g.shape[-1]
+    n_rows = g.numel() // channels if channels else 0
+    block_k = triton.next_power_of_2(channels)
+    rows = max(1, min(128, 8192 // block_k))
+    kda_gate_kernel[(triton.cdiv(n_rows, rows),)](
+        g, A_log, dt_bias, out, 0.0 if lower_bound is None else lower_bound, n_rows,
+        HV=heads, K=channels, BK=block_k, ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,134 @@
+"""Fused recurrent KDA / Gated DeltaNet: gate, l2norm and beta sigmoid in one kernel.
+
+One program owns a ``[K, BV]`` slice of one sequence's state for one value head and walks
+its tokens; the state never leaves registers between tokens. The same kernel serves the
+functional op (read ``initial_state[n]``, write a new state) and the in-place pool op (read
+and write ``pool[state_indices[n]]``; a negative index is padding: zero start, no write).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+L2NORM_EPS: tl.constexpr = 1e-6
+
+
+@triton.jit
+def recurrent_kda_kernel(
+    q, k, v, g, beta, A_log, dt_bias, state_in, state_out, state_indices, cu_seqlens, o,
+    scale, lower_bound, length,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+    HAS_STATE_IN: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * length
+
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_state = mask_k[:, None] & mask_v[None, :]
+    slot = i_n.to(tl.int64)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+        mask_state = mask_state & (offs_k * 0 + slot >= 0)[:, None]
+    state_offsets = (slot * HV + i_hv) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_STATE_IN:
+        state = tl.load(state_in + state_offsets, mask=mask_state, other=0.0).to(tl.float32)
+
+    if USE_GATE:
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            if SCALAR_GATE:
+                gate_bias = tl.load(dt_bias + i_hv).to(tl.float32)
+            else:
+                gate_bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k).to(tl.float32)
+
+    for t in range(0, length):
+        token = bos + t
+        b_q = tl.load(q + (token * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (token * H + i_h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (token * HV + i_hv) * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + token * HV + i_hv).to(tl.float32)
+        if SCALAR_GATE:
+            b_g = tl.load(g + token * HV + i_hv).to(tl.float32)
+        else:
+            b_g = tl.load(g + (token * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
+            b_g = b_g.to(tl.float32)
+        if USE_GATE:
+            if HAS_DT_BIAS:
+                b_g = b_g + gate_bias
+            if USE_LOWER_BOUND:
+                b_g = lower_bound * tl.sigmoid(rate * b_g)
+            else:
+                # softplus(x) = max(x, 0) + log1p(exp(-|x|)), overflow-free
+                b_g = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+        if USE_BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
+
+        if SCALAR_GATE:
+            state = state * tl.exp(b_g)
+        else:
+            state = state * tl.exp(b_g)[:, None]
+        v_hat = tl.sum(state * b_k[:, None], axis=0)
+        state += b_k[:, None] * ((b_v - v_hat) * b_beta)[None, :]
+        b_o = tl.sum(state * b_q[:, None], axis=0) * scale
+        tl.store(o + (token * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+
+    tl.store(state_out + state_offsets, state.to(state_out.dtype.element_ty), mask=mask_state)
+
+
+def launch_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    state_in: Optional[Tensor],
+    state_out: Tensor,
+    state_indices: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> Tensor:
+    """Runs the recurrence; writes final states into ``state_out`` (may be ``state_in``)
+    and returns o ``[B, T, HV, V]`` in v's dtype. Shapes as in ``kda_ops.delta_rule``."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    batch, length, heads, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = torch.empty_like(v)
+    block_k = triton.next_power_of_2(head_k)
+    block_v = min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16)
+    grid = (triton.cdiv(head_v, block_v), n_seqs * value_heads)
+    recurrent_kda_kernel[grid](
+        q, k, v, g, beta, A_log, dt_bias, state_in, state_out, state_indices, cu_seqlens, o,
+        scale, 0.0 if lower_bound is None else lower_bound, length,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid, HAS_STATE_IN=state_in is not None,
+        USE_INDICES=state_indices is not None, IS_VARLEN=cu_seqlens is not None,
+        num_warps=4,
+    )  # fmt: skip
+    return o
