@@ -1,0 +1,104 @@
+"""Kernel benchmarks against flash-linear-attention (fla-core 0.6.0) in the same process.
+
+Usage (GPU): ``python benchmarks/ops.py [--json out.json]``.
+"""
+
+import argparse
+
+import torch
+from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_conv_update
+from fla.modules.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+from fla.ops.kda import chunk_kda as fla_chunk_kda
+from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+from harness import Row, copy_bandwidth_tbs, report, time_ms
+
+import kda_ops
+
+DEVICE = "cuda"
+LOWER_BOUND = -5.0
+
+
+def kda_inputs(batch, length, heads, dim=128):
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+    return dict(
+        q=rand(batch, length, heads, dim), k=rand(batch, length, heads, dim),
+        v=rand(batch, length, heads, dim), g=rand(batch, length, heads, dim),
+        beta=rand(batch, length, heads),
+        A_log=torch.zeros(heads, device=DEVICE), dt_bias=torch.zeros(heads * dim, device=DEVICE),
+    )  # fmt: skip
+
+
+IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)  # fmt: skip
+
+
+def bench_decode(batch=256, heads=32, dim=128) -> list[Row]:
+    x = kda_inputs(batch, 1, heads, dim)
+    state = torch.randn(batch, heads, dim, dim, device=DEVICE)
+    pool = state.clone()
+    state_bytes = 2 * state.numel() * 4
+
+    def ours():
+        return kda_ops.fused_recurrent_kda(**x, initial_state=state, output_final_state=True,
+                                           **IN_KERNEL)  # fmt: skip
+
+    def ours_pool():
+        return kda_ops.fused_recurrent_kda_inplace(**x, state_pool=pool, **IN_KERNEL)
+
+    def peer():
+        return fla_fused_recurrent_kda(**x, initial_state=state, output_final_state=True,
+                                       **IN_KERNEL)  # fmt: skip
+
+    peer_ms = time_ms(peer)
+    case = f"decode B={batch} H={heads} D={dim} fp32 state"
+    return [
+        Row(case + " (functional)", time_ms(ours), peer_ms, state_bytes),
+        Row(case + " (in-place pool)", time_ms(ours_pool), peer_ms, state_bytes),
+    ]
+
+
+def bench_gated_norm(tokens=8192, heads=32, dim=128) -> Row:
+    x, gate = torch.randn(2, tokens, heads, dim, device=DEVICE, dtype=torch.bfloat16).unbind(0)
+    weight = torch.ones(dim, device=DEVICE)
+    nbytes = 3 * x.numel() * x.element_size()
+    ours = time_ms(lambda: kda_ops.gated_rms_norm(x, gate, weight, 1e-5, "sigmoid"))
+    peer = time_ms(lambda: fla_rms_norm_gated(x, gate, weight, None, activation="sigmoid",
+                                              eps=1e-5))  # fmt: skip
+    return Row(f"gated RMSNorm T={tokens} H={heads} D={dim} bf16", ours, peer, nbytes)
+
+
+def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4) -> Row:
+    x = torch.randn(batch, channels, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(channels, width, device=DEVICE, dtype=torch.bfloat16)
+    pool = torch.randn(batch, channels, width - 1, device=DEVICE, dtype=torch.bfloat16)
+    fla_cache = torch.randn(batch, channels, width, device=DEVICE, dtype=torch.bfloat16)
+    nbytes = 2 * pool.numel() * 2 + 2 * x.numel() * 2
+    ours = time_ms(lambda: kda_ops.causal_conv1d_update_inplace(x, pool, weight))
+    peer = time_ms(lambda: fla_conv_update(x, fla_cache, weight=weight, activation="silu"))
+    return Row(f"conv update B={batch} D={channels} W={width} bf16", ours, peer, nbytes)
+
+
+def bench_chunk(heads, length=8192, dim=128) -> Row:
+    x = kda_inputs(1, length, heads, dim)
+    ours = time_ms(lambda: kda_ops.chunk_kda(**x, **IN_KERNEL))
+    peer = time_ms(lambda: fla_chunk_kda(**x, **IN_KERNEL))
+    nbytes = 5 * x["q"].numel() * 2
+    return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16", ours, peer, nbytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--skip-chunk", action="store_true")
+    args = parser.parse_args()
+    print(f"copy bandwidth: {copy_bandwidth_tbs():.2f} TB/s")
+    rows = [*bench_decode(), bench_gated_norm(), bench_conv_update()]
+    if not args.skip_chunk:
+        rows += [bench_chunk(96), bench_chunk(64)]
+    report("kda-ops kernels vs flash-linear-attention 0.6.0", rows, args.json)
+
+
+if __name__ == "__main__":
+    main()

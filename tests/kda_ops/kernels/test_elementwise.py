@@ -1,0 +1,80 @@
+"""Gated RMSNorm, gate and causal-conv kernels against the reference."""
+
+import pytest
+import torch
+
+from kda_ops import reference
+from kda_ops.kernels.conv import launch_causal_conv1d
+from kda_ops.kernels.gate import launch_kda_gate
+from kda_ops.kernels.gated_norm import launch_gated_rms_norm
+from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("width", [10, 128])
+def test_gated_rms_norm(dtype, activation, width):
+    x, gate = torch.randn(2, 3, 7, width, device=DEVICE, dtype=dtype).unbind(0)
+    weight = torch.randn(width, device=DEVICE)
+    y = launch_gated_rms_norm(x, gate, weight, 1e-5, activation)
+    expected = reference.gated_rms_norm(
+        x.double(), gate.double(), weight.double(), 1e-5, activation
+    )
+    assert y.dtype == dtype
+    assert relative_error(y, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kda_gate(dtype, lower_bound, with_bias):
+    g = torch.randn(2, 5, 3, 6, device=DEVICE, dtype=dtype) * 10
+    A_log, dt_bias = torch.randn(3, device=DEVICE), torch.randn(18, device=DEVICE)
+    bias = dt_bias if with_bias else None
+    out = launch_kda_gate(g, A_log, bias, lower_bound)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference.kda_gate(g, A_log, bias, lower_bound))
+
+
+def conv_inputs(dtype, batch, length, channels=10, width=4):
+    x = torch.randn(batch, length, channels, device=DEVICE, dtype=dtype)
+    weight = torch.randn(channels, width, device=DEVICE)
+    return x, weight, torch.randn(channels, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [1, 3, 70])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("width", [2, 4])
+def test_causal_conv1d(dtype, length, with_state, width):
+    x, weight, bias = conv_inputs(dtype, 2, length, width=width)
+    initial = torch.randn(2, 10, width - 1, device=DEVICE, dtype=dtype) if with_state else None
+    state = torch.empty(2, 10, width - 1, device=DEVICE, dtype=dtype)
+    y = launch_causal_conv1d(x, weight, bias, initial, state, None, None, "silu")
+    y_ref, state_ref = reference.causal_conv1d(x, weight, bias, initial, None, "silu")
+    assert relative_error(y, y_ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(state, state_ref)
+
+
+def test_causal_conv1d_varlen():
+    x, weight, _ = conv_inputs(torch.float32, 1, 41)
+    cu_seqlens = torch.tensor([0, 2, 3, 40, 41], device=DEVICE)
+    initial = torch.randn(4, 10, 3, device=DEVICE)
+    state = torch.empty_like(initial)
+    y = launch_causal_conv1d(x, weight, None, initial, state, None, cu_seqlens, "identity")
+    y_ref, state_ref = reference.causal_conv1d(x, weight, None, initial, cu_seqlens, "identity")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(state, state_ref)
+
+
+def test_causal_conv1d_pool_in_place():
+    x, weight, bias = conv_inputs(torch.float32, 3, 2)
+    pool = torch.randn(6, 10, 3, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([4, -1, 1], device=DEVICE)
+    history = torch.where((indices >= 0)[:, None, None], before[indices.clamp(min=0)], 0)
+    y_ref, state_ref = reference.causal_conv1d(x, weight, bias, history, None, "silu")
+    y = launch_causal_conv1d(x, weight, bias, pool, pool, indices, None, "silu")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(pool[[4, 1]], state_ref[[0, 2]])
+    assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])

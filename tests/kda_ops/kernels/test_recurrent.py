@@ -1,0 +1,71 @@
+"""The fused recurrent kernel against the reference (interpreter on CPU, fp32)."""
+
+import pytest
+import torch
+
+from kda_ops import reference
+from kda_ops.kernels.recurrent import launch_recurrent_kda
+from tests.kda_ops.inputs import delta_rule_inputs
+from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
+
+
+def make(dtype, **shape):
+    x = delta_rule_inputs(raw_gate=True, unit_qk=False, dtype=torch.float32, **shape)
+    for name, t in vars(x).items():
+        low = name in ("q", "k", "v", "g", "beta")
+        setattr(x, name, t.to(DEVICE, dtype if low else torch.float32))
+    return x
+
+
+def expected(x, cu_seqlens, lower_bound, initial_state):
+    return reference.delta_rule(
+        reference.recurrent_delta_rule, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias,
+        initial_state, cu_seqlens, 0.3, lower_bound, True, True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scalar_gate", [False, True])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize(("head_k", "head_v"), [(8, 40), (32, 16)])
+def test_functional(dtype, scalar_gate, lower_bound, head_k, head_v):
+    x = make(dtype, batch=2, length=5, heads=1, value_heads=2, head_k=head_k, head_v=head_v,
+             scalar_gate=scalar_gate)  # fmt: skip
+    state = torch.empty_like(x.initial_state)
+    o = launch_recurrent_kda(
+        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, state, None, None,
+        0.3, lower_bound, True, True,
+    )  # fmt: skip
+    o_ref, state_ref = expected(x, None, lower_bound, x.initial_state)
+    assert o.dtype == dtype
+    assert relative_error(o, o_ref) < TOLERANCE[dtype]
+    assert relative_error(state, state_ref) < TOLERANCE[dtype]
+
+
+def test_varlen_without_initial_state():
+    x = make(torch.float32, length=9, n_seqs=3, head_k=16, head_v=8)
+    cu_seqlens = torch.tensor([0, 1, 1, 9], device=DEVICE, dtype=torch.int32)
+    state = torch.empty_like(x.initial_state)
+    o = launch_recurrent_kda(
+        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, None, state, None, cu_seqlens,
+        0.3, -5.0, True, True,
+    )  # fmt: skip
+    o_ref, state_ref = expected(x, cu_seqlens, -5.0, None)
+    torch.testing.assert_close(o, o_ref.float())
+    torch.testing.assert_close(state, state_ref)
+
+
+def test_pool_in_place_leaves_other_slots_bit_identical():
+    x = make(torch.float32, batch=3, length=2, head_k=16, head_v=8)
+    pool = torch.randn(6, 2, 16, 8, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([4, -1, 0], device=DEVICE)
+    o = launch_recurrent_kda(
+        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, pool, indices, None,
+        0.3, None, True, True,
+    )  # fmt: skip
+    start = torch.stack([before[4], torch.zeros_like(before[0]), before[0]])
+    o_ref, state_ref = expected(x, None, None, start)
+    torch.testing.assert_close(o, o_ref.float())
+    torch.testing.assert_close(pool[[4, 0]], state_ref[[0, 2]])
+    assert torch.equal(pool[[1, 2, 3, 5]], before[[1, 2, 3, 5]])

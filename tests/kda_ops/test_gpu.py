@@ -1,0 +1,119 @@
+"""The ops' CUDA kernels at realistic shapes: against the float64 reference and, where
+fla-core is installed, against flash-linear-attention with its relative-RMSE metric."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops import reference
+from tests.kda_ops.kernels.devices import relative_error
+
+pytestmark = pytest.mark.gpu
+needs_fla = pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None, reason="fla-core (the peer) is not installed"
+)
+IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True)  # fmt: skip
+
+
+def kda_inputs(batch, length, heads, value_heads, dim=128, gate_scale=1.0):
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+    return dict(
+        q=rand(batch, length, heads, dim), k=rand(batch, length, heads, dim),
+        v=rand(batch, length, value_heads, dim),
+        g=rand(batch, length, value_heads, dim, scale=gate_scale),
+        beta=rand(batch, length, value_heads),
+        A_log=rand(value_heads, dtype=torch.float32, scale=0.5),
+        dt_bias=rand(value_heads * dim, dtype=torch.float32),
+    )  # fmt: skip
+
+
+def float64(inputs):
+    return {name: t.double() for name, t in inputs.items()}
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_recurrent_against_float64_reference(lower_bound, tokens):
+    x = kda_inputs(16, tokens, 4, 8)
+    state = torch.randn(16, 8, 128, 128, device="cuda")
+    o, final = kda_ops.fused_recurrent_kda(
+        **x, initial_state=state, output_final_state=True, lower_bound=lower_bound, **IN_KERNEL
+    )
+    o_ref, final_ref = kda_ops.fused_recurrent_kda(
+        **float64(x), initial_state=state.double(), output_final_state=True,
+        lower_bound=lower_bound, **IN_KERNEL,
+    )  # fmt: skip
+    assert relative_error(o, o_ref) < 5e-3
+    assert relative_error(final, final_ref) < 1e-5
+
+
+def test_recurrent_extreme_gates_are_finite():
+    for sign in (1, -1):
+        x = kda_inputs(4, 2, 2, 2, gate_scale=0.0)
+        x["g"] = x["g"] + 30 * sign
+        o, final = kda_ops.fused_recurrent_kda(**x, output_final_state=True, **IN_KERNEL)
+        assert torch.isfinite(o).all() and torch.isfinite(final).all()
+
+
+@needs_fla
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_recurrent_against_fla(lower_bound):
+    from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+
+    x = kda_inputs(64, 1, 32, 32)
+    state = torch.randn(64, 32, 128, 128, device="cuda")
+    kwargs = dict(initial_state=state, output_final_state=True, lower_bound=lower_bound,
+                  **IN_KERNEL)  # fmt: skip
+    o, final = kda_ops.fused_recurrent_kda(**x, **kwargs)
+    o_fla, final_fla = fla_fused_recurrent_kda(**x, **kwargs)
+    assert relative_error(o, o_fla) < 5e-3
+    assert relative_error(final, final_fla) < 5e-3
+
+
+def test_recurrent_pool_untouched_slots_bit_identical():
+    x = kda_inputs(8, 1, 4, 4)
+    pool = torch.randn(32, 4, 128, 128, device="cuda")
+    before = pool.clone()
+    indices = torch.arange(8, device="cuda", dtype=torch.int32) * 3
+    indices[5] = -1
+    kda_ops.fused_recurrent_kda_inplace(**x, state_pool=pool, state_indices=indices, **IN_KERNEL)
+    touched = torch.zeros(32, dtype=torch.bool, device="cuda")
+    touched[indices[indices >= 0].long()] = True
+    assert torch.equal(pool[~touched], before[~touched])
+    assert not torch.equal(pool[touched], before[touched])
+
+
+def test_gated_rms_norm_against_reference_and_fla():
+    x, gate = torch.randn(2, 4096, 32, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
+    weight = torch.randn(128, device="cuda")
+    for activation in ("sigmoid", "silu"):
+        y = kda_ops.gated_rms_norm(x, gate, weight, 1e-5, activation)
+        expected = reference.gated_rms_norm(x.double(), gate.double(), weight.double(), 1e-5,
+                                            activation)  # fmt: skip
+        assert relative_error(y, expected) < 5e-3
+        if importlib.util.find_spec("fla") is not None:
+            from fla.modules.fused_norm_gate import rms_norm_gated
+
+            peer = rms_norm_gated(x, gate, weight, None, activation=activation, eps=1e-5)
+            assert relative_error(y, peer) < 5e-3
+
+
+def test_causal_conv1d_prefill_varlen_and_update():
+    x = torch.randn(1, 4096, 384, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(384, 4, device="cuda", dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 100, 300, 1200, 3000, 4096], device="cuda", dtype=torch.int32)
+    y, state = kda_ops.causal_conv1d(x, weight, cu_seqlens=cu_seqlens)
+    y_ref, state_ref = kda_ops.causal_conv1d(x.double(), weight.double(), cu_seqlens=cu_seqlens)
+    assert relative_error(y, y_ref) < 5e-3
+    assert torch.equal(state, state_ref.to(state.dtype))
+    step = torch.randn(5, 384, device="cuda", dtype=torch.bfloat16)
+    y_step, new_state = kda_ops.causal_conv1d_update(step, state, weight)
+    y_step_ref, new_ref = kda_ops.causal_conv1d_update(step.double(), state.double(),
+                                                      weight.double())  # fmt: skip
+    assert relative_error(y_step, y_step_ref) < 5e-3
+    assert torch.equal(new_state, new_ref.to(new_state.dtype))
