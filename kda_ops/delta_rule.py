@@ -184,7 +184,17 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, s
 
 
 if kernels.AVAILABLE:
+    from kda_ops.kernels.chunk import launch_chunk_kda
     from kda_ops.kernels.recurrent import launch_recurrent_kda
+
+    @chunk_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return chunk_reference(*args, *config)
+        return launch_chunk_kda(*args, *config)
 
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-L2NORM_EPS: tl.constexpr = 1e-6
+L2NORM_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit

@@ -117,3 +117,55 @@ def test_causal_conv1d_prefill_varlen_and_update():
                                                       weight.double())  # fmt: skip
     assert relative_error(y_step, y_step_ref) < 5e-3
     assert torch.equal(new_state, new_ref.to(new_state.dtype))
+
+
+def chunk_inputs(length, heads, lower_bound):
+    x = kda_inputs(1, length, heads, heads)
+    x["A_log"] = torch.zeros(heads, device="cuda")  # FLA's safe-gate init
+    return x, dict(lower_bound=lower_bound, output_final_state=True, **IN_KERNEL)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_against_float64_reference(lower_bound):
+    x, kwargs = chunk_inputs(1000, 4, lower_bound)
+    state = torch.randn(1, 4, 128, 128, device="cuda")
+    o, final = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
+    o_ref, final_ref = kda_ops.fused_recurrent_kda(
+        **float64(x), initial_state=state.double(), **kwargs
+    )
+    assert relative_error(o, o_ref) < 5e-3
+    assert relative_error(final, final_ref) < 5e-3
+
+
+@needs_fla
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_against_fla_long(lower_bound):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    x, kwargs = chunk_inputs(8192, 96, lower_bound)
+    o, final = kda_ops.chunk_kda(**x, **kwargs)
+    o_fla, final_fla = fla_chunk_kda(**x, **kwargs)
+    assert relative_error(o, o_fla) < 5e-3
+    assert relative_error(final, final_fla) < 5e-3
+
+
+@needs_fla
+def test_chunk_against_fla_varlen():
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    x, kwargs = chunk_inputs(4096, 16, -5.0)
+    cu_seqlens = torch.tensor([0, 100, 300, 1200, 3000, 4096], device="cuda", dtype=torch.int32)
+    state = torch.randn(5, 16, 128, 128, device="cuda")
+    o, final = kda_ops.chunk_kda(**x, initial_state=state, cu_seqlens=cu_seqlens, **kwargs)
+    o_fla, final_fla = fla_chunk_kda(**x, initial_state=state, cu_seqlens=cu_seqlens, **kwargs)
+    assert relative_error(o, o_fla) < 5e-3
+    assert relative_error(final, final_fla) < 5e-3
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_extreme_gates_are_finite(lower_bound):
+    for sign in (1, -1):
+        x, kwargs = chunk_inputs(300, 2, lower_bound)
+        x["g"] = torch.full_like(x["g"], 30.0 * sign)
+        o, final = kda_ops.chunk_kda(**x, **kwargs)
+        assert torch.isfinite(o).all() and torch.isfinite(final).all()
