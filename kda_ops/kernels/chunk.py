@@ -62,7 +62,7 @@ def _inverse_unit_lower(a, BLOCK: tl.constexpr):
     substitution: row i of the inverse is e_i - a[i, :] @ inverse."""
     rows = tl.arange(0, BLOCK)
     inverse = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in tl.static_range(1, BLOCK):
+    for i in range(1, BLOCK):
         a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
         update = tl.sum(a_row[:, None] * inverse, axis=0)
         inverse = tl.where(rows[:, None] == i, inverse - update[None, :], inverse)
@@ -124,7 +124,7 @@ def chunk_prepare_kernel(
 
     # --- Row blocks of 16: A and Aqk rows, then the block forward substitution.
     sub = tl.arange(0, BLOCK)
-    for i_b in tl.static_range(64 // BLOCK):
+    for i_b in range(0, 64 // BLOCK):
         r_tok = start + i_b * BLOCK + sub
         r_in = i_b * BLOCK + sub < remaining
         r_mask_k = r_in[:, None] & mask_k[None, :]
@@ -149,7 +149,7 @@ def chunk_prepare_kernel(
         rhs_w = r_beta[:, None] * r_k * tl.exp(r_cum)
         rhs_u = r_beta[:, None] * r_v
 
-        for j_b in tl.static_range(i_b):
+        for j_b in range(0, i_b):
             c_tok = start + j_b * BLOCK + sub
             c_in = j_b * BLOCK + sub < remaining
             c_mask_k = c_in[:, None] & mask_k[None, :]
@@ -182,7 +182,7 @@ def chunk_prepare_kernel(
         else:  # exact pairs, one column at a time
             d_kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
             d_qk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-            for j in tl.static_range(BLOCK):
+            for j in range(0, BLOCK):
                 pick = sub[:, None] == j
                 col_k = tl.sum(tl.where(pick, r_k, 0.0), axis=0)
                 col_cum = tl.sum(tl.where(pick, r_cum, 0.0), axis=0)
