@@ -237,6 +237,17 @@ class KDAAttention(nn.Module):
         return self._output(x, o), KDAState(conv_q, conv_k, conv_v, recurrent)
 
 
+def _write_slot(cache: Tensor, new: Tensor, slot: Tensor, inplace: bool) -> Tensor:
+    """Write ``new`` ``[B, H, 1, D]`` at position ``slot[b]`` of ``cache`` ``[B, H, S, D]``
+    (an ``index_put``: only B × H × D elements move, never the whole cache)."""
+    indices = (torch.arange(cache.shape[0], device=cache.device), slot)
+    by_position = cache.transpose(1, 2)  # [B, S, H, D]: (batch, slot) index the first dims
+    if inplace:
+        by_position.index_put_(indices, new.squeeze(2))
+        return cache
+    return by_position.index_put(indices, new.squeeze(2)).transpose(1, 2)
+
+
 class FullAttention(nn.Module):
     """Causal multi-head attention (no positional encoding, like Kimi Linear's NoPE MLA
     layers) over a static KV cache, with SDPA."""
@@ -274,13 +285,9 @@ class FullAttention(nn.Module):
         """x ``[B, 1, hidden]``: writes slot ``length`` of each sequence, attends to
         slots ``[0, length]``."""
         q, k, v = self._qkv(x)
-        slot = state.length.view(-1, 1, 1, 1).expand_as(k)
-        if inplace:
-            key, value = state.key.scatter_(2, slot, k), state.value.scatter_(2, slot, v)
-            length = state.length.add_(1)
-        else:
-            key, value = state.key.scatter(2, slot, k), state.value.scatter(2, slot, v)
-            length = state.length + 1
+        key = _write_slot(state.key, k, state.length, inplace)
+        value = _write_slot(state.value, v, state.length, inplace)
+        length = state.length.add_(1) if inplace else state.length + 1
         positions = torch.arange(key.shape[2], device=x.device)
         mask = (positions < length.view(-1, 1))[:, None, None, :]
         o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
