@@ -344,9 +344,11 @@ class HybridLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def new_cache(self, batch_size: int) -> Cache:
-        """An empty cache for ``batch_size`` sequences on the model's device and dtype."""
+    def new_cache(self, batch_size: int, max_seq_len: Optional[int] = None) -> Cache:
+        """An empty cache for ``batch_size`` sequences on the model's device and dtype; the
+        KV caches hold ``max_seq_len`` tokens (default ``config.max_seq_len``)."""
         c = self.config
+        max_seq_len = c.max_seq_len if max_seq_len is None else max_seq_len
         like = self.lm_head.weight
         channels, width = c.num_heads * c.head_dim, c.conv_size - 1
 
@@ -355,7 +357,7 @@ class HybridLM(nn.Module):
 
         def layer_state(index: int) -> LayerState:
             if c.is_attention_layer(index):
-                kv = (batch_size, c.num_heads, c.max_seq_len, c.head_dim)
+                kv = (batch_size, c.num_heads, max_seq_len, c.head_dim)
                 return AttentionState(zeros(*kv), zeros(*kv), zeros(batch_size, dtype=torch.int64))
             convs = (zeros(batch_size, channels, width) for _ in range(3))
             recurrent = zeros(batch_size, c.num_heads, c.head_dim, c.head_dim, dtype=torch.float32)
