@@ -1,0 +1,156 @@
+"""The hybrid example model at Kimi-Linear attention dims: (a) eager with FLA's KDA kernels
+(how people run it today) vs (b) ``torch.compile(backend="kda")``, in one process.
+
+Prefill: B = 1, T = 8192, tokens/s. Decode: B = 64 after a 512-token prompt, in-place
+``decode_`` (b: ``mode="reduce-overhead"``, CUDA graphs), tokens/s. Prints a table with the
+ratios and writes nothing. Needs a CUDA GPU and ``fla-core`` (run with
+``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
+
+    python benchmarks/hybrid.py            # Kimi-Linear dims, 4 layers (3 KDA + 1 attention)
+    python benchmarks/hybrid.py --quick    # small sizes, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples/ folder
+
+from examples.hybrid_model import (
+    Cache,
+    HybridConfig,
+    HybridLM,
+    KDAKernels,
+    mark_cache_static,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    config: HybridConfig
+    prefill_length: int
+    decode_batch: int
+    prompt: int
+    decode_steps: int
+    repeats: int
+
+
+def sizes(quick: bool, layers: int, vocab: int) -> Sizes:
+    if quick:
+        config = HybridConfig(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64,
+                              num_layers=layers, vocab_size=vocab)  # fmt: skip
+        return Sizes(config, prefill_length=512, decode_batch=8, prompt=64, decode_steps=8,
+                     repeats=2)  # fmt: skip
+    config = HybridConfig.kimi_linear_48b(num_layers=layers, vocab_size=vocab)
+    return Sizes(config, prefill_length=8192, decode_batch=64, prompt=512, decode_steps=32,
+                 repeats=3)  # fmt: skip
+
+
+def fla_kernels() -> KDAKernels:
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except ImportError as error:
+        raise SystemExit(f"needs fla-core (pip install fla-core==0.6.0): {error}") from error
+    return KDAKernels(chunk=chunk_kda, recurrent=fused_recurrent_kda)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def prefill_tokens_per_s(model: HybridLM, prefill: Callable, s: Sizes) -> float:
+    ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
+
+    def run() -> None:
+        prefill(ids, model.new_cache(1, max_seq_len=s.prefill_length))
+
+    return s.prefill_length / timed(run, s.repeats)
+
+
+def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> float:
+    """Tokens/s of ``decode_steps`` in-place steps, each run restarting at the prompt end."""
+    ids = torch.randint(0, s.config.vocab_size, (s.decode_batch, 1), device="cuda")
+    lengths = [state.length for state in cache if hasattr(state, "length")]
+
+    def run() -> None:
+        for length in lengths:
+            length.fill_(s.prompt)
+        for _ in range(s.decode_steps):
+            decode_(ids, cache)
+
+    return s.decode_batch * s.decode_steps / timed(run, s.repeats)
+
+
+def prompt_cache(model: HybridLM, s: Sizes) -> Cache:
+    ids = torch.randint(0, s.config.vocab_size, (s.decode_batch, s.prompt), device="cuda")
+    cache = model.new_cache(s.decode_batch, max_seq_len=s.prompt + s.decode_steps)
+    return model.prefill(ids, cache)[1]
+
+
+def clone(cache: Cache) -> Cache:
+    return tuple(type(state)(*(t.clone() for t in state)) for state in cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    parser.add_argument("--layers", type=int, default=4, help="layers (every 4th attention)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/hybrid.py needs a CUDA GPU")
+    s = sizes(args.quick, args.layers, args.vocab)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ours = HybridLM(s.config).to(torch.bfloat16).eval().requires_grad_(False)
+        fla = HybridLM(s.config, kernels=fla_kernels()).to(torch.bfloat16).eval()
+    fla.load_state_dict(ours.state_dict())
+    fla.requires_grad_(False)
+
+    rows = []
+    with torch.no_grad():
+        compiled_prefill = torch.compile(ours.prefill, backend="kda", fullgraph=True)
+        eager = prefill_tokens_per_s(fla, fla.prefill, s)
+        compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
+        rows.append((f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3))
+
+        cache_eager = prompt_cache(fla, s)
+        cache_compiled = clone(cache_eager)
+        mark_cache_static(cache_compiled)
+        compiled_decode = torch.compile(
+            ours.decode_, backend="kda", mode="reduce-overhead", fullgraph=True
+        )
+        eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
+        compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
+        rows.append((f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0))
+
+    c = s.config
+    print(f"hybrid model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads × "
+          f"{c.head_dim}, vocab {c.vocab_size}, bf16, {torch.cuda.get_device_name()}")  # fmt: skip
+    print("| phase | (a) eager + FLA tok/s | (b) compile kda tok/s | (b)/(a) | target |")
+    print("| --- | --- | --- | --- | --- |")
+    for phase, eager, compiled, target in rows:
+        print(f"| {phase} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f} | "
+              f">= {target} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

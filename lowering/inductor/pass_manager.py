@@ -1,0 +1,50 @@
+"""The post-grad pass manager: runs every kda pass, counts their matches, and gives Inductor
+a ``uuid`` over the passes' sources so the FX graph cache stays on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from lowering.inductor.base import KDAInductorPass, source_hash
+from lowering.inductor.conv_update import ConvUpdatePass
+from lowering.inductor.gated_rms_norm import GatedRMSNormPass
+from lowering.inductor.recurrent_state import RecurrentStatePass
+
+
+def default_passes() -> list[KDAInductorPass]:
+    """The kda fusions, in the order they run."""
+    return [RecurrentStatePass(), ConvUpdatePass(), GatedRMSNormPass()]
+
+
+class KDAPassManager(CustomGraphPass):
+    """Install as ``torch._inductor.config.post_grad_custom_post_pass``.
+
+    ``counts`` holds, per pass name, the matches since construction or the last
+    :meth:`reset_counts` (summed over every graph compiled in between).
+    """
+
+    def __init__(self, passes: Optional[Sequence[KDAInductorPass]] = None) -> None:
+        self.passes = list(default_passes() if passes is None else passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for fusion in self.passes:
+            fusion(graph)
+        graph.eliminate_dead_code()
+
+    def uuid(self) -> str:
+        """Changes whenever this file or any pass's source changes."""
+        return source_hash(type(self), *(type(p) for p in self.passes)) + ",".join(
+            p.uuid() for p in self.passes
+        )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {p.name: p.matches for p in self.passes}
+
+    def reset_counts(self) -> None:
+        for fusion in self.passes:
+            fusion.matches = 0
