@@ -1,1 +1,2 @@
-def patches(): return []
+def patches():
+    return []

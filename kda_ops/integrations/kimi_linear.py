@@ -19,8 +19,12 @@ import importlib
 from kda_ops.integrations import _transformers
 from kda_ops.integrations._patch import Patch
 
+# target -> (model file, its gated RMSNorm class)
 MODEL_FILES = {
-    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearRMSNormGated"),
+    "kimi_linear": (
+        "transformers.models.kimi_linear.modeling_kimi_linear",
+        "KimiLinearRMSNormGated",
+    ),
     "glm5_next": ("transformers.models.glm5_next.modeling_glm5_next", "Glm5NextTextRMSNormGated"),
 }
 
