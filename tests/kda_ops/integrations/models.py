@@ -1,0 +1,78 @@
+"""Tiny random transformers hybrid models (head_dim 128, 3 linear-attention layers and one
+full-attention layer, dense MLPs) and the reference that the integration must reproduce."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+
+import torch
+
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+VOCAB = 128
+
+
+def kimi_linear_model() -> torch.nn.Module:
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=128,
+        linear_num_heads=2, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
+        mlp_layer_types=["dense"] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return _build(KimiLinearForCausalLM, config)
+
+
+def qwen3_next_model() -> torch.nn.Module:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_conv_kernel_dim=4, num_experts=0, layer_types=LAYER_TYPES, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return _build(Qwen3NextForCausalLM, config)
+
+
+def _build(model_class: type, config: object) -> torch.nn.Module:
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    # Random init leaves some projections at zero and the decay near 1; perturb every
+    # parameter so each piece (conv, gates, norms) shows up in the logits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+MODEL_FILES = {
+    "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+}
+BUILDERS = {"kimi_linear": kimi_linear_model, "qwen3_next": qwen3_next_model}
+
+
+@contextlib.contextmanager
+def transformers_reference(model: str) -> Iterator[None]:
+    """Run transformers' own PyTorch kernels (the unpatched model on a machine without
+    FLA). transformers binds FLA's Triton kernels into its kernel wrappers whenever FLA is
+    importable, and those cannot run on CPU; each wrapper keeps the PyTorch function it
+    falls back to as ``__wrapped__``, which is what the unpatched model runs without FLA."""
+    module = importlib.import_module(MODEL_FILES[model])
+    wrappers = {
+        name: fn for name, fn in vars(module).items()
+        if callable(fn) and hasattr(fn, "__wrapped__") and fn.__module__ == module.__name__
+    }  # fmt: skip
+    try:
+        for name, fn in wrappers.items():
+            setattr(module, name, fn.__wrapped__)
+        yield
+    finally:
+        for name, fn in wrappers.items():
+            setattr(module, name, fn)
