@@ -49,11 +49,16 @@ def copy_bandwidth_tbs(nbytes: int = 2**31) -> float:
     return nbytes / time_ms(lambda: dst.copy_(src)) / 1e9
 
 
-def report(title: str, rows: list[Row], path: str | None = None) -> None:
+def report(title: str, benches, path: str | None = None) -> list[Row]:
+    """Runs each benchmark (a callable returning rows) and prints its rows as they come."""
     print(f"\n### {title}\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(HEADER)
-    for row in rows:
-        print(row.format())
+    print(HEADER, flush=True)
+    rows = []
+    for bench in benches:
+        for row in bench():
+            print(row.format(), flush=True)
+            rows.append(row)
     if path:
         with open(path, "w") as f:
             json.dump([asdict(row) | {"ratio": row.ratio} for row in rows], f, indent=1)
+    return rows

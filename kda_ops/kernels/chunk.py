@@ -13,9 +13,9 @@
 
 Decay ratios exp(G_i - G_j) are formed against a reference row p with j <= p <= i, so
 each factor is at most 1, except inside a 16-row diagonal block. There, with the safe
-gate (``-5 <= lower_bound < 0``), one reference at the block start keeps every factor
-below e^80 (inside fp32 and bf16 range) and the block is a dense dot; any other gate
-takes the exact token-by-token path for diagonal blocks.
+gate (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, one reference at the block start
+keeps every factor below e^80 (inside fp32 and bf16 range) and the block is a dense dot;
+any other gate, and fp16, takes the exact token-by-token path for diagonal blocks.
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -307,7 +307,13 @@ def launch_chunk_kda(
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_zeros(n_chunks, value_heads, CHUNK, CHUNK)
-    safe = lower_bound is not None and A_log is not None and lower_bound >= SAFE_GATE_LOWER_BOUND
+    # fp16's range (e^11) cannot hold the in-block factors (up to e^80): exact path there.
+    safe = (
+        lower_bound is not None
+        and A_log is not None
+        and lower_bound >= SAFE_GATE_LOWER_BOUND
+        and q.dtype != torch.float16
+    )
     chunk_prepare_kernel[(n_chunks, value_heads)](
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
         cum_g, w, u, qg, kd, aqk,
