@@ -18,7 +18,8 @@ def test_reduce_overhead_decode_is_cudagraphed_and_carries_state():
     torch._dynamo.reset()
     counters.clear()
     model, ids = tiny_model(device="cuda"), token_ids(PROMPT + STEPS, device="cuda")
-    _, cache = model.prefill(ids[:, :PROMPT], model.new_cache(BATCH))
+    # The KV cache must hold the prompt and every decoded token.
+    _, cache = model.prefill(ids[:, :PROMPT], model.new_cache(BATCH, max_seq_len=PROMPT + STEPS))
     expected_cache = clone_cache(cache)
     mark_cache_static(cache)
     compiled = torch.compile(model.decode_, backend="kda", mode="reduce-overhead", fullgraph=True)
