@@ -359,8 +359,9 @@ def fused_recurrent_kda_inplace(
     """Recurrent KDA that advances states inside a pool, for serving with CUDA graphs.
 
     Args:
-        state_pool: ``[P, HV, K, V]`` float32 (float64 for float64 inputs), updated in
-            place.
+        state_pool: ``[P, HV, K, V]`` float32, or bfloat16 to halve its memory (each
+            step still runs in fp32 and rounds the state once on write-back; float64 for
+            float64 inputs), updated in place.
         state_indices: int32/int64 ``[N]``: sequence n reads and writes slot
             ``state_indices[n]``; a negative index marks a padding sequence (zero start
             state, nothing written). Without it, ``P == N`` and slot n is sequence n.
@@ -381,7 +382,8 @@ def fused_recurrent_kda_inplace(
         pool_size = n_seqs
     else:
         check.state_indices(state_indices, n_seqs)
-    check.state("state_pool", state_pool, (pool_size, heads, head_k, head_v), q)
+    shape = (pool_size, heads, head_k, head_v)
+    check.state("state_pool", state_pool, shape, q, allow_bf16=True)
     check.same_device(q=q, state_pool=state_pool, state_indices=state_indices)
     gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     return recurrent_inplace_op(

@@ -74,10 +74,21 @@ class ArgumentChecker:
                     f"got {t.dtype}",
                 )
 
-    def state(self, name: str, x: object, expected: Sequence[object], inputs: Tensor) -> Tensor:
-        """A recurrent state: float32 (float64 when the inputs are float64)."""
-        dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
-        state = self.tensor(name, x, dims=4, dtypes=(dtype,))
+    def state(
+        self,
+        name: str,
+        x: object,
+        expected: Sequence[object],
+        inputs: Tensor,
+        allow_bf16: bool = False,
+    ) -> Tensor:
+        """A recurrent state: float32 (float64 when the inputs are float64; bfloat16 too
+        where ``allow_bf16``: a serving pool that trades precision for memory)."""
+        if inputs.dtype == torch.float64:
+            dtypes = (torch.float64,)
+        else:
+            dtypes = (torch.float32, torch.bfloat16) if allow_bf16 else (torch.float32,)
+        state = self.tensor(name, x, dims=4, dtypes=dtypes)
         self.shape(name, state, expected, "(N, HV, K, V)")
         return state
 

@@ -78,3 +78,17 @@ def test_conv_update_inplace_several_tokens_without_indices():
     y = kda_ops.causal_conv1d_update_inplace(x, pool, weight)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     torch.testing.assert_close(pool, new_state, rtol=0, atol=0)
+
+
+def test_recurrent_inplace_bf16_pool_rounds_once_per_step():
+    x = delta_rule_inputs(batch=2, length=1, dtype=torch.float32)
+    pool16 = torch.randn(3, 2, 8, 4).bfloat16()
+    start = pool16.float()
+    indices = torch.tensor([2, 0])
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    o16 = kda_ops.fused_recurrent_kda_inplace(*args, pool16, indices)
+    # Same as an fp32 step from the bf16 states, rounded to bf16 on write-back.
+    o32 = kda_ops.fused_recurrent_kda_inplace(*args, start, indices)
+    torch.testing.assert_close(o16, o32, rtol=0, atol=0)
+    assert pool16.dtype == torch.bfloat16
+    assert torch.equal(pool16, start.bfloat16())

@@ -69,3 +69,17 @@ def test_pool_in_place_leaves_other_slots_bit_identical():
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(pool[[4, 0]], state_ref[[0, 2]])
     assert torch.equal(pool[[1, 2, 3, 5]], before[[1, 2, 3, 5]])
+
+
+def test_bf16_pool_round_trip():
+    x = make(torch.float32, batch=2, length=1, head_k=16, head_v=8)
+    pool = torch.randn(3, 2, 16, 8, device=DEVICE).bfloat16()
+    start = torch.stack([pool[2].float(), pool[0].float()])
+    indices = torch.tensor([2, 0], device=DEVICE)
+    o = launch_recurrent_kda(
+        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, pool, indices, None,
+        0.3, -5.0, True, True,
+    )  # fmt: skip
+    o_ref, state_ref = expected(x, None, -5.0, start)
+    torch.testing.assert_close(o, o_ref.float())
+    torch.testing.assert_close(pool[[2, 0]], state_ref.bfloat16())
