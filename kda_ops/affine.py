@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from kda_ops.delta_rule import _gate_args, _resolve_scale, chunk_op
-from kda_ops.validation import check_delta_rule
+from kda_ops.validation import MAX_HEAD_DIM, check_delta_rule
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,15 @@ def segment_maps(
     config: DeltaRuleConfig,
     start: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
+    max_columns: int = MAX_HEAD_DIM,
 ) -> AffineSegments:
     """Each sequence of the batch as an affine map of its incoming state (one chunk run).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta as for ``chunk_kda``. ``start``
     ``[N, HV, K, V]`` (state dtype) is a state every segment starts from *before* the
     incoming one is added (the sequence's own initial state); ``E`` and ``base_output``
-    include it. Differentiable through the op's autograd.
+    include it. The ``V + K`` value columns run in blocks of at most ``max_columns`` (one
+    run when ``V + K <= 256``). Differentiable through the op's autograd.
     """
     batch, length, value_heads, head_v = v.shape
     head_k = q.shape[-1]
@@ -136,12 +138,37 @@ def segment_maps(
     if start is None:
         start = identity.new_zeros(n_seqs, value_heads, head_k, head_v)
     values = torch.cat([v, v.new_zeros(batch, length, value_heads, head_k)], dim=-1)
-    o, final = chunk_op(
-        q, k, values, g, beta, config.A_log, config.dt_bias, torch.cat([start, identity], -1),
+    initial = torch.cat([start, identity], -1)
+    # Value columns evolve independently: run them in blocks the kernels accept.
+    blocks = _column_blocks(head_v + head_k, max_columns)
+    runs = [
+        _chunk(q, k, values[..., b], g, beta, config, initial[..., b], cu_seqlens) for b in blocks
+    ]
+    o = torch.cat([run[0] for run in runs], dim=-1)
+    final = torch.cat([run[1] for run in runs], dim=-1)
+    return AffineSegments(base_output=o[..., :head_v], readout=o[..., head_v:], packed=final)
+
+
+def _chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    config: DeltaRuleConfig,
+    initial_state: Tensor,
+    cu_seqlens: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """``kda::chunk`` with a config: ``(o, final_state)``."""
+    return chunk_op(
+        q, k, v.contiguous(), g, beta, config.A_log, config.dt_bias, initial_state.contiguous(),
         cu_seqlens, config.scale, config.lower_bound, config.use_qk_l2norm,
         config.use_beta_sigmoid,
     )  # fmt: skip
-    return AffineSegments(base_output=o[..., :head_v], readout=o[..., head_v:], packed=final)
+
+
+def _column_blocks(columns: int, width: int) -> list[slice]:
+    return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
 
 
 def apply_map(packed: Tensor, incoming: Tensor) -> Tensor:

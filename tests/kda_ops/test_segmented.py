@@ -82,6 +82,23 @@ def test_segment_maps_compose_and_plain_sum_is_wrong():
     assert not torch.allclose(plain_sum, whole, atol=1e-3)
 
 
+def test_segment_maps_in_column_blocks_equal_one_run():
+    x = delta_rule_inputs(batch=2, length=20, value_heads=2, requires_grad=True)
+    config = resolve_config(
+        "test", x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=None,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+    )  # fmt: skip
+    tensors = (x.q, x.k, x.v, x.g, x.beta)
+    whole = segment_maps(*tensors, config, start=x.initial_state)
+    blocks = segment_maps(*tensors, config, start=x.initial_state, max_columns=5)
+    for name in ("base_output", "readout", "packed"):
+        torch.testing.assert_close(getattr(blocks, name), getattr(whole, name))
+    (grad_whole,) = torch.autograd.grad(whole.packed.sum(), x.k)
+    (grad_blocks,) = torch.autograd.grad(blocks.packed.sum(), x.k)
+    torch.testing.assert_close(grad_blocks, grad_whole)
+
+
 def test_prefix_adjoints_equal_autograd():
     packed = torch.randn(4, 2, 3, 5, 2 + 5, dtype=torch.float64, requires_grad=True)
     grads = torch.randn(4, 2, 3, 5, 2, dtype=torch.float64)
