@@ -4,10 +4,12 @@ Importing this package registers the ``torch.ops.kda`` ops (needed before
 ``torch.export.load`` of a program that uses them).
 """
 
+from kda_ops import speculative  # registers kda::verify and kda::commit_
 from kda_ops.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_update_inplace
 from kda_ops.delta_rule import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
 from kda_ops.gate import kda_gate
 from kda_ops.gated_norm import gated_rms_norm
+from kda_ops.segmented import chunk_kda_segmented
 
 __version__ = "0.1.0"
 
@@ -16,8 +18,10 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_update_inplace",
     "chunk_kda",
+    "chunk_kda_segmented",
     "fused_recurrent_kda",
     "fused_recurrent_kda_inplace",
     "gated_rms_norm",
     "kda_gate",
+    "speculative",
 ]

@@ -155,21 +155,35 @@ def recurrent_inplace_reference(
     negative index marks padding: that sequence starts from a zero state and writes
     nothing back.
     """
-    if state_indices is None:
-        states = state_pool
-    else:
-        valid = state_indices >= 0
-        gathered = state_pool[state_indices.clamp(min=0)]
-        states = torch.where(valid[:, None, None, None], gathered, 0)
+    states = gather_pool_states(state_pool, state_indices)
     o, final = reference.delta_rule(
         reference.recurrent_delta_rule, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens,
         scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
     )  # fmt: skip
-    if state_indices is None:
-        state_pool.copy_(final)
-    else:
-        state_pool[state_indices[valid]] = final[valid].to(state_pool.dtype)
+    scatter_pool_states(state_pool, state_indices, final)
     return o
+
+
+def gather_pool_states(state_pool: Tensor, state_indices: Optional[Tensor]) -> Tensor:
+    """The states ``[N, ...]`` of the slots ``state_indices`` ``[N]`` of a pool (all slots
+    without indices); a negative index (padding) reads a zero state."""
+    if state_indices is None:
+        return state_pool
+    valid = state_indices >= 0
+    gathered = state_pool[state_indices.clamp(min=0)]
+    return torch.where(valid.view(-1, *(1,) * (gathered.dim() - 1)), gathered, 0)
+
+
+def scatter_pool_states(
+    state_pool: Tensor, state_indices: Optional[Tensor], states: Tensor
+) -> None:
+    """Write ``states`` ``[N, ...]`` to the slots ``state_indices`` of the pool, in place;
+    negative indices (padding) write nothing."""
+    if state_indices is None:
+        state_pool.copy_(states)
+        return
+    valid = state_indices >= 0
+    state_pool[state_indices[valid]] = states[valid].to(state_pool.dtype)
 
 
 recurrent_inplace_op = torch.library.custom_op("kda::recurrent_", mutates_args=("state_pool",))(
@@ -375,20 +389,11 @@ def fused_recurrent_kda_inplace(
         function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    check = ArgumentChecker(function)
-    heads, head_k, head_v = v.shape[2], q.shape[3], v.shape[3]
-    pool_size = state_pool.shape[0] if isinstance(state_pool, Tensor) else 0
-    if state_indices is None:
-        pool_size = n_seqs
-    else:
-        check.state_indices(state_indices, n_seqs)
-    shape = (pool_size, heads, head_k, head_v)
-    check.state("state_pool", state_pool, shape, q, allow_bf16=True)
-    check.same_device(q=q, state_pool=state_pool, state_indices=state_indices)
+    ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
     gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     return recurrent_inplace_op(
         q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
-        _resolve_scale(scale, head_k), gate[2], use_qk_l2norm_in_kernel,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
 

@@ -109,6 +109,27 @@ class ArgumentChecker:
         self.shape("state_indices", indices, (n_seqs,), "(N,)")
         return indices
 
+    def state_pool(
+        self,
+        state_pool: object,
+        state_indices: object,
+        n_seqs: int,
+        q: Tensor,
+        v: Tensor,
+        allow_bf16: bool = False,
+    ) -> Tensor:
+        """A pool ``[P, HV, K, V]`` addressed by ``state_indices`` ``[N]`` (``P == N``
+        without indices), on q's device; dtypes as :meth:`state`."""
+        pool_size = state_pool.shape[0] if isinstance(state_pool, Tensor) else 0
+        if state_indices is None:
+            pool_size = n_seqs
+        else:
+            self.state_indices(state_indices, n_seqs)
+        expected = (pool_size, v.shape[2], q.shape[3], v.shape[3])
+        pool = self.state("state_pool", state_pool, expected, q, allow_bf16)
+        self.same_device(q=q, state_pool=pool, state_indices=state_indices)
+        return pool
+
 
 def check_delta_rule(
     function: str,

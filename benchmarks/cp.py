@@ -1,0 +1,95 @@
+"""In-device context parallelism: one long sequence vs the same tokens as a batch.
+
+A single ``B = 1`` sequence leaves most SMs idle in the serial inter-chunk recurrence;
+``kda_ops.chunk_kda_segmented`` splits it into segments run in parallel and merges exact
+initial states. This times, in one process (bf16, D = 128, safe gate -5, gate / beta /
+l2norm in kernel, forward):
+
+- FLA 0.6.0 ``chunk_kda`` on ``B = 1, T`` and on ``B = S, T / S`` (the peer's own gap);
+- our ``chunk_kda`` on both shapes;
+- our ``chunk_kda_segmented`` on ``B = 1, T`` (planned segments and a few fixed counts).
+
+Targets: segmented long / our split batch <= 1.05, and segmented faster than our plain
+``chunk_kda`` on the long sequence.
+
+Usage (GPU, fla-core 0.6.0): ``python benchmarks/cp.py [--quick] [--json out.json]``.
+"""
+
+import argparse
+
+import torch
+from fla.ops.kda import chunk_kda as fla_chunk_kda
+from harness import Row, report, time_ms
+
+import kda_ops
+from kda_ops.segmented import plan_segments
+
+DEVICE = "cuda"
+IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)  # fmt: skip
+
+
+def inputs(batch: int, length: int, heads: int, dim: int) -> dict:
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+    return dict(
+        q=rand(batch, length, heads, dim), k=rand(batch, length, heads, dim),
+        v=rand(batch, length, heads, dim), g=rand(batch, length, heads, dim),
+        beta=rand(batch, length, heads), A_log=torch.zeros(heads, device=DEVICE),
+        dt_bias=torch.zeros(heads * dim, device=DEVICE),
+    )  # fmt: skip
+
+
+def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]) -> list[Row]:
+    long = inputs(1, length, heads, dim)
+    batched = {
+        name: t.reshape(split, length // split, *t.shape[2:]) if t.dim() > 1 else t
+        for name, t in long.items()
+    }
+    fla_long = time_ms(lambda: fla_chunk_kda(**long, **IN_KERNEL))
+    fla_split = time_ms(lambda: fla_chunk_kda(**batched, **IN_KERNEL))
+    ours_long = time_ms(lambda: kda_ops.chunk_kda(**long, **IN_KERNEL))
+    ours_split = time_ms(lambda: kda_ops.chunk_kda(**batched, **IN_KERNEL))
+    shape_long, shape_split = f"B=1 T={length}", f"B={split} T={length // split}"
+    rows = [
+        Row(f"chunk_kda {shape_long} H={heads} D={dim}", ours_long, fla_long),
+        Row(f"chunk_kda {shape_split} H={heads} D={dim}", ours_split, fla_split),
+    ]
+    planned = plan_segments(1, length, heads, torch.device(DEVICE))
+    for segments in dict.fromkeys([planned, *segment_counts]):
+        ms = time_ms(
+            lambda s=segments: kda_ops.chunk_kda_segmented(**long, **IN_KERNEL, num_segments=s)
+        )
+        label = " (planned)" if segments == planned else ""
+        rows.append(Row(f"segmented S={segments}{label} {shape_long}", ms, fla_long))
+        if segments == planned:
+            planned_ms = ms
+    print(f"\nFLA long / FLA split: {fla_long / fla_split:.3f}")
+    print(f"ours plain long / ours split: {ours_long / ours_split:.3f}")
+    print(f"ours segmented (S={planned}) long / ours split: {planned_ms / ours_split:.3f} "
+          "(target <= 1.05)")  # fmt: skip
+    print(f"ours segmented (S={planned}) / ours plain, long: {planned_ms / ours_long:.3f} "
+          "(target < 1)")  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T = 16384 (smoke run)")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--split", type=int, default=8, help="batch of the split comparison")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    length = 16384 if args.quick else 131072
+    counts = [2, 4] if args.quick else [4, 8, 16]
+    report(
+        "In-device context parallelism: one long sequence vs a batch (ratio = ours / FLA)",
+        [lambda: run(length, args.split, args.heads, args.dim, counts)],
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Speculative decoding on a state pool: verify draft tokens without committing, then
+commit the accepted prefix of each sequence.
+
+Ops:
+
+- ``kda::verify(q, k, v, g, beta, A_log?, dt_bias?, state_pool, state_indices?, scale,
+  lower_bound?, use_qk_l2norm, use_beta_sigmoid) -> (o, states)``: runs the T draft tokens
+  of each of the N sequences from its pool slot and returns the outputs and the state after
+  every draft position, ``[N, T, HV, K, V]``. Reads the pool, never writes it.
+- ``kda::commit_(state_pool!, state_indices?, states, accepted_lengths) -> ()``: writes the
+  state after ``accepted_lengths[n]`` tokens (0..T; 0 keeps the slot) into slot
+  ``state_indices[n]``, in place. Negative indices (padding) write nothing; slots not named
+  are never touched.
+
+Two ways to commit, with different costs per sequence (fp32 state of
+``HV·K·V·4`` bytes, T draft tokens):
+
+- :func:`commit` (per-position states): verify writes T states (T× the state traffic of one
+  decode step, and T states of memory), commit copies one. Nothing is recomputed.
+- :func:`commit_by_replay`: verify's states can be dropped; commit reruns the accepted
+  tokens through the in-place recurrence (``kda::recurrent_``), masking each rejected
+  token so it leaves the state untouched (no decay, zero write strength). One state read
+  and written, T tokens recomputed; the draft inputs must be kept until commit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops import reference
+from kda_ops.delta_rule import (
+    _gate_args,
+    _resolve_scale,
+    fused_recurrent_kda_inplace,
+    gather_pool_states,
+    scatter_pool_states,
+)
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+
+
+@torch.library.custom_op("kda::verify", mutates_args=())
+def verify_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    state_pool: Tensor,
+    state_indices: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor]:
+    """Reference (every device): the recurrence one token at a time from the pool states."""
+    state = gather_pool_states(state_pool, state_indices)
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        step = (x[:, t : t + 1] for x in (q, k, v, g, beta))
+        o, state = reference.delta_rule(
+            reference.recurrent_delta_rule, *step, A_log, dt_bias, state, None, scale,
+            lower_bound, use_qk_l2norm, use_beta_sigmoid,
+        )  # fmt: skip
+        outputs.append(o)
+        states.append(state.to(state_pool.dtype))
+    return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
+
+
+@verify_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
+      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    batch, length, value_heads, head_v = v.shape
+    states = state_pool.new_empty(batch, length, value_heads, q.shape[3], head_v)
+    return v.new_empty(v.shape), states
+
+
+@torch.library.custom_op("kda::commit_", mutates_args=("state_pool",))
+def commit_op(
+    state_pool: Tensor,
+    state_indices: Optional[Tensor],
+    states: Tensor,
+    accepted_lengths: Tensor,
+) -> None:
+    """Reference (every device): pick each sequence's state after its accepted prefix
+    (slot state for 0) with a gather, then scatter to the valid slots."""
+    current = gather_pool_states(state_pool, state_indices)
+    candidates = torch.cat([current.unsqueeze(1), states], dim=1)  # [N, T + 1, HV, K, V]
+    rows = torch.arange(candidates.shape[0], device=candidates.device)
+    chosen = candidates[rows, accepted_lengths.long()]
+    scatter_pool_states(state_pool, state_indices, chosen.clone())
+
+
+@commit_op.register_fake
+def _(state_pool, state_indices, states, accepted_lengths):
+    return None
+
+
+def verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Optional[Tensor] = None,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    lower_bound: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """Run T draft tokens per sequence from the pool without writing it.
+
+    Args as for :func:`kda_ops.fused_recurrent_kda_inplace` (no ``cu_seqlens``): q, k
+    ``[N, T, H, K]``, v ``[N, T, HV, V]``, g, beta per token; ``state_pool``
+    ``[P, HV, K, V]`` float32 (float64 for float64 inputs); ``state_indices`` int ``[N]``
+    (negative: padding, starts from zero).
+
+    Returns:
+        o ``[N, T, HV, V]`` in v's dtype, and ``states`` ``[N, T, HV, K, V]`` in the pool's
+        dtype: the state after each draft position, for :func:`commit`.
+    """
+    function = "kda_ops.speculative.verify"
+    n_seqs = check_delta_rule(
+        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=None,
+    )  # fmt: skip
+    ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v)
+    gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    return verify_op(
+        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
+
+
+def _check_accepted(check: ArgumentChecker, accepted_lengths: object, n_seqs: int) -> Tensor:
+    accepted = check.tensor("accepted_lengths", accepted_lengths, dims=1, dtypes=INDEX_DTYPES)
+    check.shape("accepted_lengths", accepted, (n_seqs,), "(N,)")
+    return accepted
+
+
+def commit(
+    state_pool: Tensor,
+    states: Tensor,
+    accepted_lengths: Tensor,
+    state_indices: Optional[Tensor] = None,
+) -> None:
+    """Write each sequence's state after its accepted draft prefix into the pool, in place.
+
+    Args:
+        state_pool: ``[P, HV, K, V]``, the pool :func:`verify` read.
+        states: ``[N, T, HV, K, V]`` from :func:`verify`, in the pool's dtype.
+        accepted_lengths: int ``[N]`` in ``0..T`` (not checked: values are never read on
+            the host); 0 leaves the slot as it is.
+        state_indices: int ``[N]``, as given to :func:`verify`; negative = padding.
+    """
+    check = ArgumentChecker("kda_ops.speculative.commit")
+    states = check.tensor("states", states, dims=5)
+    n_seqs = states.shape[0]
+    _check_accepted(check, accepted_lengths, n_seqs)
+    if not isinstance(state_pool, Tensor) or states.dtype != state_pool.dtype:
+        check.fail(TypeError, "`states` and `state_pool` must be tensors of one dtype")
+    pool_size = n_seqs if state_indices is None else state_pool.shape[0]
+    check.shape("state_pool", state_pool, (pool_size, *states.shape[2:]), "(P, HV, K, V)")
+    if state_indices is not None:
+        check.state_indices(state_indices, n_seqs)
+    check.same_device(states=states, state_pool=state_pool, state_indices=state_indices,
+                      accepted_lengths=accepted_lengths)  # fmt: skip
+    commit_op(state_pool, state_indices, states, accepted_lengths)
+
+
+def _mask_rejected(
+    g: Tensor,
+    beta: Tensor,
+    accepted_lengths: Tensor,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+) -> tuple[Tensor, Tensor]:
+    """g and beta with every token at position >= its sequence's accepted length made a
+    no-op: log-decay 0 (a raw gate of -inf gives 0 through either gate activation) and
+    write strength 0 (a raw beta of -inf gives sigmoid 0)."""
+    positions = torch.arange(g.shape[1], device=g.device)
+    rejected = positions[None, :] >= accepted_lengths[:, None].to(positions.dtype)  # [N, T]
+    no_decay = -torch.inf if use_gate_in_kernel else 0.0
+    no_write = -torch.inf if use_beta_sigmoid_in_kernel else 0.0
+    gate_mask = rejected.view(*rejected.shape, *(1,) * (g.dim() - 2))
+    return (
+        torch.where(gate_mask, torch.full_like(g, no_decay), g),
+        torch.where(rejected[..., None], torch.full_like(beta, no_write), beta),
+    )
+
+
+def commit_by_replay(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    accepted_lengths: Tensor,
+    state_indices: Optional[Tensor] = None,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    lower_bound: Optional[float] = None,
+) -> None:
+    """Commit by replaying the accepted draft tokens into the pool (no per-position states).
+
+    Same draft inputs and options as :func:`verify`, plus ``accepted_lengths`` int ``[N]``
+    in ``0..T``. Rejected tokens are masked to no-ops and the in-place recurrence
+    (``kda::recurrent_``) runs over all T positions, so the shapes stay static (CUDA-graph
+    friendly).
+    """
+    check = ArgumentChecker("kda_ops.speculative.commit_by_replay")
+    _check_accepted(check, accepted_lengths, q.shape[0] if isinstance(q, Tensor) else 0)
+    g, beta = _mask_rejected(
+        g, beta, accepted_lengths, use_gate_in_kernel, use_beta_sigmoid_in_kernel
+    )
+    fused_recurrent_kda_inplace(
+        q, k, v, g, beta, state_pool, state_indices, A_log=A_log, dt_bias=dt_bias,
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
+    )  # fmt: skip
