@@ -102,11 +102,11 @@ def _softplus(x: Value) -> Value:
 
 
 def _log_decay(
-    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float]
-) -> Value:
-    """The KDA gate on g ``[..., HV, K]`` (float32), like ``reference.kda_gate``."""
+    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float],
+    heads: int, channels: int,
+) -> Value:  # fmt: skip
+    """The KDA gate on g ``[..., heads, channels]`` (float32), like ``reference.kda_gate``."""
     x = _f32(g)
-    heads, channels = g.shape[-2], g.shape[-1]
     if dt_bias is not None:
         x = x + op.Reshape(_f32(dt_bias), op.Constant(value_ints=[heads, channels]))
     rate = op.Unsqueeze(op.Exp(_f32(A_log)), [-1])
@@ -115,11 +115,11 @@ def _log_decay(
     return op.Constant(value_float=lower_bound) * op.Sigmoid(rate * x)
 
 
-def _repeat_heads(x: Value, group: int) -> Value:
-    """``[B, T, H, K]`` -> ``[B, T, H * group, K]``, head h repeated ``group`` times."""
+def _repeat_heads(x: Value, heads: int, group: int, channels: int) -> Value:
+    """``[B, T, heads, channels]`` -> ``[B, T, heads * group, channels]``, each head
+    repeated ``group`` times."""
     if group == 1:
         return x
-    heads, channels = x.shape[2], x.shape[3]
     expanded = op.Expand(op.Unsqueeze(x, [3]), op.Constant(value_ints=[1, 1, 1, group, 1]))
     return op.Reshape(expanded, op.Constant(value_ints=[0, 0, heads * group, channels]))
 
@@ -134,15 +134,19 @@ def portable_delta_rule(
     qf, kf, beta_f = _f32(q), _f32(k), _f32(beta)
     if use_qk_l2norm:
         qf, kf = _l2norm(qf), _l2norm(kf)
-    if len(g.shape) == 3:  # Gated DeltaNet: one decay per head
+    heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    gate_width = 1 if len(g.shape) == 3 else head_k
+    if gate_width == 1:  # Gated DeltaNet: one decay per head
         g = op.Unsqueeze(g, [-1])
-    log_decay = _f32(g) if A_log is None else _log_decay(g, A_log, dt_bias, lower_bound)
+    if A_log is None:
+        log_decay = _f32(g)
+    else:
+        log_decay = _log_decay(g, A_log, dt_bias, lower_bound, value_heads, gate_width)
     if use_beta_sigmoid:
         beta_f = op.Sigmoid(beta_f)
-    heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     group = value_heads // heads
-    qf = _repeat_heads(qf, group) * op.Constant(value_float=scale)
-    kf = _repeat_heads(kf, group)
+    qf = _repeat_heads(qf, heads, group, head_k) * op.Constant(value_float=scale)
+    kf = _repeat_heads(kf, heads, group, head_k)
     state = _zeros(q, value_heads, head_k, head_v) if initial_state is None else initial_state
     final, o = delta_rule_scan(_f32(state), qf, kf, _f32(v), log_decay, beta_f)
     return op.Cast(o, to=v.dtype), final
@@ -183,7 +187,7 @@ def portable_gate(
     g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float]
 ) -> Value:
     """``kda.gate``: float32 log-decay of g's shape."""
-    return _log_decay(g, A_log, dt_bias, lower_bound)
+    return _log_decay(g, A_log, dt_bias, lower_bound, g.shape[-2], g.shape[-1])
 
 
 # ----------------------------------------------------------------------------- plugin
