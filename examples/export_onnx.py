@@ -1,7 +1,8 @@
 """Export the hybrid model's prefill and decode steps to ONNX, in both modes.
 
-``python -m examples.export_onnx OUT_DIR`` (from the repository root) writes ``{prefill,decode}_{portable,plugin}.onnx``
-for the tiny :class:`HybridConfig` model. Inputs are ``input_ids`` then every state
+``python -m examples.export_onnx OUT_DIR`` (from the repository root) writes
+``{prefill,decode}_{portable,plugin}.onnx`` for the tiny :class:`HybridConfig` model.
+Inputs are ``input_ids`` then every state
 (``layer{i}.conv_q`` ... ``layer{i}.length``, see ``lowering.export.state_names``); outputs
 ``logits`` then ``new.<state name>``. Batch is dynamic in both steps and T in prefill. The
 portable files run in onnxruntime; the plugin files hold one ``kda``-domain node per op for
