@@ -34,7 +34,7 @@ def _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN: tl.constexpr,
 
 @triton.jit
 def causal_conv1d_kernel(
-    x, weight, bias, state, state_indices, cu_seqlens, y, length, n_seqs,
+    x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y,
     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
@@ -76,7 +76,7 @@ def causal_conv1d_kernel(
 
 @triton.jit
 def conv_final_state_kernel(
-    x, state_in, state_out, state_indices, cu_seqlens, length,
+    x, state_in, state_indices, cu_seqlens, length, state_out,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
     HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -133,12 +133,12 @@ def launch_causal_conv1d(
                  IS_VARLEN=cu_seqlens is not None)  # fmt: skip
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     causal_conv1d_kernel[grid](
-        x, weight, bias, state_in, state_indices, cu_seqlens, y, length, n_seqs,
+        x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y,
         D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs),
         HAS_BIAS=bias is not None, SILU=activation == "silu", **flags,
     )  # fmt: skip
     conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
-        x, state_in, state_out, state_indices, cu_seqlens, length,
+        x, state_in, state_indices, cu_seqlens, length, state_out,
         D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width - 1), **flags,
     )  # fmt: skip
     return y

@@ -10,7 +10,7 @@ from torch import Tensor
 
 @triton.jit
 def kda_gate_kernel(
-    g, A_log, dt_bias, out, lower_bound, n_rows,
+    g, A_log, dt_bias, lower_bound, n_rows, out,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):  # fmt: skip
@@ -41,7 +41,7 @@ def launch_kda_gate(
     block_k = triton.next_power_of_2(channels)
     rows = max(1, min(128, 8192 // block_k))
     kda_gate_kernel[(triton.cdiv(n_rows, rows),)](
-        g, A_log, dt_bias, out, 0.0 if lower_bound is None else lower_bound, n_rows,
+        g, A_log, dt_bias, 0.0 if lower_bound is None else lower_bound, n_rows, out,
         HV=heads, K=channels, BK=block_k, ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None,
     )  # fmt: skip

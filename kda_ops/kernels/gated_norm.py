@@ -12,7 +12,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def gated_rms_norm_kernel(
-    x, gate, weight, y, eps, n_rows,
+    x, gate, weight, eps, n_rows, y,
     D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -39,7 +39,7 @@ def launch_gated_rms_norm(
     block_d = triton.next_power_of_2(width)
     rows = max(1, ROW_BLOCK_ELEMENTS // block_d)
     gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x, gate, weight, y, eps, n_rows,
+        x, gate, weight, eps, n_rows, y,
         D=width, BD=block_d, ROWS=rows, SILU=activation == "silu", num_warps=NUM_WARPS,
     )  # fmt: skip
     return y

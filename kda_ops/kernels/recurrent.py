@@ -18,8 +18,8 @@ L2NORM_EPS = tl.constexpr(1e-6)
 
 @triton.jit
 def recurrent_kda_kernel(
-    q, k, v, g, beta, A_log, dt_bias, state_in, state_out, state_indices, cu_seqlens, o,
-    scale, lower_bound, length,
+    q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
+    scale, lower_bound, length, o, state_out,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -122,8 +122,8 @@ def launch_recurrent_kda(
     block_v = min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16)
     grid = (triton.cdiv(head_v, block_v), n_seqs * value_heads)
     recurrent_kda_kernel[grid](
-        q, k, v, g, beta, A_log, dt_bias, state_in, state_out, state_indices, cu_seqlens, o,
-        scale, 0.0 if lower_bound is None else lower_bound, length,
+        q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
+        scale, 0.0 if lower_bound is None else lower_bound, length, o, state_out,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,

@@ -1,0 +1,402 @@
+"""ONNX translation of the ``kda`` ops for ``torch.onnx.export(..., dynamo=True)``.
+
+Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
+
+- ``"portable"``: standard ONNX (opset 18) that onnxruntime runs with dynamic T. The delta
+  rule (``kda.chunk`` and ``kda.recurrent`` alike) is a ``Scan`` over tokens carrying the
+  ``[B, HV, K, V]`` float32 state; the conv is a grouped ``Conv`` over the history
+  concatenated with the input; gate and gated RMSNorm are elementwise. Math in float32.
+- ``"plugin"``: one node per op in the ``kda`` domain (op type = the op's name, e.g.
+  ``kda::recurrent``), with schemas registered in ``onnx.defs`` (so ONNX shape inference
+  works) and the attributes TensorRT's ONNX parser uses to find a plugin
+  (``plugin_namespace="kda"``, ``plugin_version="1"``). Absent optional inputs are
+  materialized (zeros, or a ``use_gate=0`` flag for ``A_log``) because TensorRT plugins
+  take no optional inputs; every float argument is an attribute.
+
+Packed sequences (``cu_seqlens``) are not translated: a ``ValueError`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import onnx
+import onnxscript
+import torch
+from onnx.defs import OpSchema
+from onnxscript import FLOAT, graph, script
+from onnxscript import opset18 as op
+
+MODES = ("portable", "plugin")
+PLUGIN_DOMAIN = "kda"
+PLUGIN_NAMESPACE = "kda"
+PLUGIN_VERSION = "1"
+L2NORM_EPS = 1e-6
+INT64_MAX = 2**63 - 1
+
+Value = onnxscript.ir.Value  # a tensor inside the graph being built
+
+
+# ----------------------------------------------------------------------------- portable
+
+
+@script()
+def delta_rule_scan(
+    state: FLOAT, q: FLOAT, k: FLOAT, v: FLOAT, g: FLOAT, beta: FLOAT
+) -> tuple[FLOAT, FLOAT]:
+    """Token recurrence. state ``[B, HV, K, V]``; q (already scaled), k, g ``[B, T, HV, K]``
+    (g may be ``[B, T, HV, 1]``); v ``[B, T, HV, V]``; beta ``[B, T, HV]``; all float32.
+    Returns (final state, o ``[B, T, HV, V]``)."""
+
+    @graph()
+    def step(
+        s: FLOAT[...], q_t: FLOAT[...], k_t: FLOAT[...], v_t: FLOAT[...],
+        g_t: FLOAT[...], beta_t: FLOAT[...],
+    ):  # fmt: skip
+        decayed = s * op.Unsqueeze(op.Exp(g_t), [-1])
+        k_col = op.Unsqueeze(k_t, [-1])
+        v_hat = op.ReduceSum(k_col * decayed, [-2], keepdims=0)
+        error = op.Unsqueeze(beta_t, [-1]) * (v_t - v_hat)
+        written = decayed + k_col * op.Unsqueeze(error, [-2])
+        o_t = op.ReduceSum(op.Unsqueeze(q_t, [-1]) * written, [-2], keepdims=0)
+        return written, o_t
+
+    final, o = op.Scan(
+        state, q, k, v, g, beta, body=step, num_scan_inputs=5,
+        scan_input_axes=[1, 1, 1, 1, 1], scan_output_axes=[1],
+    )  # fmt: skip
+    return final, o
+
+
+def _f32(x: Value) -> Value:
+    return op.Cast(x, to=onnx.TensorProto.FLOAT)
+
+
+def _reject_varlen(name: str, cu_seqlens: Optional[Value]) -> None:
+    if cu_seqlens is not None:
+        raise ValueError(
+            f"kda.{name}: packed sequences (`cu_seqlens`) have no ONNX translation; export "
+            "a padded batch [B, T, ...] instead"
+        )
+
+
+def _zeros(batch_of: Value, *dims: int) -> Value:
+    """float32 zeros ``[batch_of.shape[0], *dims]``."""
+    shape = op.Concat(
+        op.Shape(batch_of, start=0, end=1), op.Constant(value_ints=list(dims)), axis=0
+    )
+    return op.Expand(op.Constant(value_float=0.0), shape)
+
+
+def _l2norm(x: Value) -> Value:
+    """``x / sqrt(sum(x²) + 1e-6)`` over the last dim (FLA's eps placement)."""
+    norm = op.Sqrt(op.ReduceSum(x * x, [-1], keepdims=1) + op.Constant(value_float=L2NORM_EPS))
+    return x / norm
+
+
+def _softplus(x: Value) -> Value:
+    """Overflow-free ``log(1 + exp(x)) = max(x, 0) + log(1 + exp(-|x|))``."""
+    one = op.Constant(value_float=1.0)
+    return op.Max(x, op.Constant(value_float=0.0)) + op.Log(one + op.Exp(op.Neg(op.Abs(x))))
+
+
+def _log_decay(
+    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float],
+    heads: int, channels: int,
+) -> Value:  # fmt: skip
+    """The KDA gate on g ``[..., heads, channels]`` (float32), like ``reference.kda_gate``."""
+    x = _f32(g)
+    if dt_bias is not None:
+        x = x + op.Reshape(_f32(dt_bias), op.Constant(value_ints=[heads, channels]))
+    rate = op.Unsqueeze(op.Exp(_f32(A_log)), [-1])
+    if lower_bound is None:
+        return op.Neg(rate) * _softplus(x)
+    return op.Constant(value_float=lower_bound) * op.Sigmoid(rate * x)
+
+
+def _repeat_heads(x: Value, heads: int, group: int, channels: int) -> Value:
+    """``[B, T, heads, channels]`` -> ``[B, T, heads * group, channels]``, each head
+    repeated ``group`` times."""
+    if group == 1:
+        return x
+    expanded = op.Expand(op.Unsqueeze(x, [3]), op.Constant(value_ints=[1, 1, 1, group, 1]))
+    return op.Reshape(expanded, op.Constant(value_ints=[0, 0, heads * group, channels]))
+
+
+def portable_delta_rule(
+    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
+    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
+    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+) -> tuple[Value, Value]:  # fmt: skip
+    """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results)."""
+    _reject_varlen("chunk/recurrent", cu_seqlens)
+    qf, kf, beta_f = _f32(q), _f32(k), _f32(beta)
+    if use_qk_l2norm:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    gate_width = 1 if len(g.shape) == 3 else head_k
+    if gate_width == 1:  # Gated DeltaNet: one decay per head
+        g = op.Unsqueeze(g, [-1])
+    if A_log is None:
+        log_decay = _f32(g)
+    else:
+        log_decay = _log_decay(g, A_log, dt_bias, lower_bound, value_heads, gate_width)
+    if use_beta_sigmoid:
+        beta_f = op.Sigmoid(beta_f)
+    group = value_heads // heads
+    qf = _repeat_heads(qf, heads, group, head_k) * op.Constant(value_float=scale)
+    kf = _repeat_heads(kf, heads, group, head_k)
+    state = _zeros(q, value_heads, head_k, head_v) if initial_state is None else initial_state
+    final, o = delta_rule_scan(_f32(state), qf, kf, _f32(v), log_decay, beta_f)
+    return op.Cast(o, to=v.dtype), final
+
+
+def portable_causal_conv1d(
+    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
+    cu_seqlens: Optional[Value], activation: str,
+) -> tuple[Value, Value]:  # fmt: skip
+    """``kda.causal_conv1d``: grouped ``Conv`` over ``[history, x]`` along time."""
+    _reject_varlen("causal_conv1d", cu_seqlens)
+    channels, width = weight.shape[0], weight.shape[1]
+    history = _zeros(x, channels, width - 1) if initial_state is None else _f32(initial_state)
+    window = op.Concat(history, op.Transpose(_f32(x), perm=[0, 2, 1]), axis=2)  # [B, D, W-1+T]
+    conv_inputs = [window, op.Unsqueeze(_f32(weight), [1])]
+    if bias is not None:
+        conv_inputs.append(_f32(bias))
+    y = op.Conv(*conv_inputs, group=channels)
+    if activation == "silu":
+        y = y * op.Sigmoid(y)
+    final = op.Slice(window, [-(width - 1)], [INT64_MAX], [2])
+    state_dtype = x.dtype if initial_state is None else initial_state.dtype
+    return op.Cast(op.Transpose(y, perm=[0, 2, 1]), to=x.dtype), op.Cast(final, to=state_dtype)
+
+
+def portable_gated_rms_norm(
+    x: Value, gate: Value, weight: Value, eps: float, activation: str
+) -> Value:
+    """``kda.gated_rms_norm``: ``rmsnorm(x) * weight * act(gate)`` in float32."""
+    xf, gate_f = _f32(x), _f32(gate)
+    mean_square = op.ReduceMean(xf * xf, [-1], keepdims=1)
+    normed = xf / op.Sqrt(mean_square + op.Constant(value_float=eps))
+    act = op.Sigmoid(gate_f) if activation == "sigmoid" else gate_f * op.Sigmoid(gate_f)
+    return op.Cast(normed * _f32(weight) * act, to=x.dtype)
+
+
+def portable_gate(
+    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float]
+) -> Value:
+    """``kda.gate``: float32 log-decay of g's shape."""
+    return _log_decay(g, A_log, dt_bias, lower_bound, g.shape[-2], g.shape[-1])
+
+
+# ----------------------------------------------------------------------------- plugin
+
+
+def _copy_type(source: int, target: int) -> Callable[[object], None]:
+    """Shape inference: output ``target`` gets input ``source``'s type and shape."""
+
+    def infer(ctx: onnx.shape_inference.InferenceContext) -> None:
+        ctx.set_output_type(target, ctx.get_input_type(source))
+
+    return infer
+
+
+def _float32_like(source: int, target: int) -> Callable[[object], None]:
+    """Shape inference: output ``target`` is float32 with input ``source``'s shape."""
+
+    def infer(ctx: onnx.shape_inference.InferenceContext) -> None:
+        out = onnx.TypeProto()
+        out.CopyFrom(ctx.get_input_type(source))
+        out.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        ctx.set_output_type(target, out)
+
+    return infer
+
+
+PLUGIN_ATTRIBUTES = (("plugin_namespace", OpSchema.AttrType.STRING),
+                     ("plugin_version", OpSchema.AttrType.STRING))  # fmt: skip
+PLUGIN_OPS: dict[str, dict[str, object]] = {
+    # name: inputs, outputs (name, type var), attributes, inference (rules per output)
+    "recurrent": dict(
+        inputs=["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"],
+        outputs=[("o", "T"), ("final_state", "S")],
+        attributes=[
+            "scale",
+            "lower_bound",
+            "use_gate",
+            "use_lower_bound",
+            "use_qk_l2norm",
+            "use_beta_sigmoid",
+        ],
+        rules=[_copy_type(2, 0), _copy_type(7, 1)],
+    ),
+    "causal_conv1d": dict(
+        inputs=["x", "weight", "bias", "initial_state"],
+        outputs=[("y", "T"), ("final_state", "T")],
+        attributes=["silu"],
+        rules=[_copy_type(0, 0), _copy_type(3, 1)],
+    ),
+    "gated_rms_norm": dict(
+        inputs=["x", "gate", "weight"],
+        outputs=[("y", "T")],
+        attributes=["eps", "silu"],
+        rules=[_copy_type(0, 0)],
+    ),
+    "gate": dict(
+        inputs=["g", "A_log", "dt_bias"],
+        outputs=[("log_decay", "S")],
+        attributes=["lower_bound", "use_lower_bound"],
+        rules=[_float32_like(0, 0)],
+    ),
+}
+PLUGIN_OPS["chunk"] = PLUGIN_OPS["recurrent"]
+FLOAT_ATTRIBUTES = ("scale", "lower_bound", "eps")
+
+
+def _schema(name: str, spec: dict[str, object]) -> OpSchema:
+    parameters = [OpSchema.FormalParameter(n, "T") for n in spec["inputs"]]
+    outputs = [OpSchema.FormalParameter(n, t) for n, t in spec["outputs"]]
+    attributes = [
+        OpSchema.Attribute(
+            a, OpSchema.AttrType.FLOAT if a in FLOAT_ATTRIBUTES else OpSchema.AttrType.INT, a
+        )
+        for a in spec["attributes"]
+    ] + [OpSchema.Attribute(a, kind, a) for a, kind in PLUGIN_ATTRIBUTES]
+    floats = ["tensor(float16)", "tensor(bfloat16)", "tensor(float)"]
+    schema = OpSchema(
+        name, PLUGIN_DOMAIN, 1, f"kda::{name} as one TensorRT plugin node",
+        inputs=parameters, outputs=outputs,
+        type_constraints=[("T", floats, "tensors"), ("S", ["tensor(float)"], "float32 state")],
+        attributes=attributes,
+    )  # fmt: skip
+    rules = spec["rules"]
+
+    def infer(ctx: onnx.shape_inference.InferenceContext) -> None:
+        for rule in rules:
+            rule(ctx)
+
+    schema.set_type_and_shape_inference_function(infer)
+    return schema
+
+
+def register_plugin_schemas() -> None:
+    """Register the ``kda`` domain schemas with ``onnx.defs`` (idempotent)."""
+    for name, spec in PLUGIN_OPS.items():
+        try:
+            onnx.defs.get_schema(name, 1, PLUGIN_DOMAIN)
+        except onnx.defs.SchemaError:
+            onnx.defs.register_schema(_schema(name, spec))
+
+
+def _plugin_node(name: str, inputs: list[Value], **attributes: object) -> Value:
+    register_plugin_schemas()
+    opset = onnxscript.values.Opset(PLUGIN_DOMAIN, 1)
+    attributes = {k: int(v) if isinstance(v, bool) else v for k, v in attributes.items()}
+    return getattr(opset, name)(
+        *inputs, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, **attributes
+    )
+
+
+def _or_zeros(value: Optional[Value], shape: list[int], like: Value) -> Value:
+    """``value``, or zeros of ``shape`` (dim 0 from ``like``'s batch when shape[0] < 0)."""
+    if value is not None:
+        return value
+    if shape[0] < 0:
+        return op.CastLike(_zeros(like, *shape[1:]), like)
+    return op.CastLike(op.Expand(op.Constant(value_float=0.0), op.Constant(value_ints=shape)), like)
+
+
+def _plugin_delta_rule(name: str) -> Callable[..., tuple[Value, Value]]:
+    def translate(
+        q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
+        dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
+        scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    ) -> tuple[Value, Value]:  # fmt: skip
+        _reject_varlen(name, cu_seqlens)
+        value_heads, head_k, head_v = v.shape[2], q.shape[3], v.shape[3]
+        gate_width = 1 if len(g.shape) == 3 else head_k
+        inputs = [
+            q, k, v, g, beta,
+            _or_zeros(A_log, [value_heads], q),
+            _or_zeros(dt_bias, [value_heads * gate_width], q),
+            _f32(_or_zeros(initial_state, [-1, value_heads, head_k, head_v], q)),
+        ]  # fmt: skip
+        o, state = _plugin_node(
+            name, inputs, scale=scale, lower_bound=lower_bound or 0.0, use_gate=A_log is not None,
+            use_lower_bound=lower_bound is not None, use_qk_l2norm=use_qk_l2norm,
+            use_beta_sigmoid=use_beta_sigmoid,
+        )  # fmt: skip
+        return o, state
+
+    return translate
+
+
+def plugin_causal_conv1d(
+    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
+    cu_seqlens: Optional[Value], activation: str,
+) -> tuple[Value, Value]:  # fmt: skip
+    _reject_varlen("causal_conv1d", cu_seqlens)
+    channels, width = weight.shape[0], weight.shape[1]
+    inputs = [x, weight, _or_zeros(bias, [channels], x),
+              _or_zeros(initial_state, [-1, channels, width - 1], x)]  # fmt: skip
+    return _plugin_node("causal_conv1d", inputs, silu=activation == "silu")
+
+
+def plugin_gated_rms_norm(
+    x: Value, gate: Value, weight: Value, eps: float, activation: str
+) -> Value:
+    return _plugin_node("gated_rms_norm", [x, gate, weight], eps=eps, silu=activation == "silu")
+
+
+def plugin_gate(
+    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float]
+) -> Value:
+    width = g.shape[-2] * g.shape[-1]
+    inputs = [g, A_log, _or_zeros(dt_bias, [width], g)]
+    return _plugin_node(
+        "gate", inputs, lower_bound=lower_bound or 0.0, use_lower_bound=lower_bound is not None
+    )
+
+
+def translation_table(mode: str = "portable") -> dict[torch._ops.OpOverload, Callable]:
+    """``custom_translation_table`` for every functional ``kda`` op in ``mode``
+    (``"portable"`` or ``"plugin"``)."""
+    import kda_ops  # noqa: F401  (registers torch.ops.kda)
+
+    ops = torch.ops.kda
+    if mode == "portable":
+        return {
+            ops.chunk.default: portable_delta_rule,
+            ops.recurrent.default: portable_delta_rule,
+            ops.causal_conv1d.default: portable_causal_conv1d,
+            ops.gated_rms_norm.default: portable_gated_rms_norm,
+            ops.gate.default: portable_gate,
+        }
+    if mode == "plugin":
+        register_plugin_schemas()
+        return {
+            ops.chunk.default: _plugin_delta_rule("chunk"),
+            ops.recurrent.default: _plugin_delta_rule("recurrent"),
+            ops.causal_conv1d.default: plugin_causal_conv1d,
+            ops.gated_rms_norm.default: plugin_gated_rms_norm,
+            ops.gate.default: plugin_gate,
+        }
+    raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+
+
+def export_onnx(
+    program: torch.export.ExportedProgram,
+    path: str,
+    mode: str = "portable",
+    input_names: Optional[list[str]] = None,
+    output_names: Optional[list[str]] = None,
+) -> onnx.ModelProto:
+    """Translate an exported program (dynamic dims kept) to ONNX in ``mode``; save it at
+    ``path`` and return the model proto."""
+    onnx_program = torch.onnx.export(
+        program, dynamo=True, custom_translation_table=translation_table(mode),
+        input_names=input_names, output_names=output_names, verbose=False,
+    )  # fmt: skip
+    onnx_program.save(path)
+    return onnx.load(path)

@@ -1,0 +1,267 @@
+"""TensorRT plugin kernels: the Triton kernels of the ``kda`` ops AOT-compiled to sm_90 PTX
+in the argument order TensorRT's Quickly Deployable Plugins (``tensorrt.plugin.aot_impl``)
+launch them with.
+
+TensorRT's AOT launcher passes, in order: the plugin's input tensors, then int scalars
+(symbolic expressions of the input shapes), then the output tensors; it cannot pass float
+scalars or absent inputs. Triton appends two hidden scratch pointers (global and profile
+scratch) that must stay unused. Each :class:`PluginKernel` says which kernel parameters
+are inputs, int scalars and outputs, bakes every float (scale, eps, lower bound) and every
+flag into constexprs, and gives the launch grid from shapes alone.
+
+Plugins (namespace ``kda``, the op types of ``lowering.onnx``'s plugin mode):
+
+- ``recurrent``: one kernel, ``recurrent_kda_kernel`` (any T; T = 1 for decode).
+- ``chunk``: the same single kernel (token-serial, same results as the chunk op); the
+  multi-kernel chunk pipeline of ``kernels/chunk.py`` is not wrapped yet.
+- ``causal_conv1d``: a chain of two single-kernel plugins, ``causal_conv1d_output`` (y)
+  then ``causal_conv1d_state`` (final state).
+- ``gated_rms_norm`` and ``gate``: one kernel each.
+
+Not done yet: the ``tensorrt.plugin.register`` / ``aot_impl`` definitions themselves, their
+Torch-TensorRT registration and ``examples/export_tensorrt.py`` (TensorRT cannot be
+installed here, so none of it could be run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
+from kda_ops.kernels.gate import kda_gate_kernel
+from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
+from kda_ops.kernels.recurrent import recurrent_kda_kernel
+
+SM90 = GPUTarget("cuda", 90, 32)
+TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+HIDDEN_SCRATCH_PARAMS = 2  # Triton's global and profile scratch pointers, always last
+
+Shapes = Mapping[str, tuple[int, ...]]  # plugin input name -> shape
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginKernel:
+    """One TensorRT plugin backed by one Triton kernel.
+
+    ``inputs`` / ``outputs``: kernel parameters that are the plugin's input / output
+    tensors, in plugin order; ``int_args``: int scalar parameters, each a function of the
+    input shapes; ``absent``: pointer parameters specialized to ``None``; ``constexprs``:
+    the kernel's compile-time values for a config (dims, flags, float scalars);
+    ``grid``: launch grid from the input shapes and constexprs; ``state_dtype``: the dtype
+    of parameters that are float32 whatever the model dtype (states, gate parameters)."""
+
+    name: str
+    kernel: object  # a @triton.jit kernel
+    inputs: tuple[str, ...]
+    int_args: Mapping[str, Callable[[Shapes], int]]
+    outputs: tuple[str, ...]
+    absent: tuple[str, ...]
+    constexprs: Callable[[Mapping[str, object]], dict[str, object]]
+    grid: Callable[[Shapes, Mapping[str, object]], tuple[int, int, int]]
+    float32_params: tuple[str, ...] = ()
+    num_warps: int = 4
+
+    def signature(self, dtype: str, config: Mapping[str, object]) -> tuple[dict, dict]:
+        """Triton (signature, constexprs) for tensors of ``dtype`` ("float16", ...)."""
+        if dtype not in TRITON_DTYPES:
+            raise ValueError(f"`dtype` must be one of {tuple(TRITON_DTYPES)}, got {dtype!r}")
+        constants = {**self.constexprs(config), **dict.fromkeys(self.absent)}
+        signature = {}
+        for name in self.kernel.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in self.int_args:
+                signature[name] = "i32"
+            elif name in self.inputs or name in self.outputs:
+                element = "fp32" if name in self.float32_params else TRITON_DTYPES[dtype]
+                signature[name] = f"*{element}"
+            else:
+                raise ValueError(f"{self.name}: kernel parameter {name!r} has no role")
+        return signature, constants
+
+    def compile(self, dtype: str, config: Mapping[str, object]) -> triton.compiler.CompiledKernel:
+        """AOT-compile for sm_90 (no GPU needed); ``.asm["ptx"]`` is the plugin's PTX."""
+        signature, constants = self.signature(dtype, config)
+        source = ASTSource(_compilable(self.kernel), signature, constexprs=constants)
+        return triton.compile(source, target=SM90, options={"num_warps": self.num_warps})
+
+    def launch_args(self, shapes: Shapes) -> list[int]:
+        """The int scalars TensorRT passes between inputs and outputs."""
+        return [fn(shapes) for fn in self.int_args.values()]
+
+
+def _compilable(kernel: object) -> triton.JITFunction:
+    if not isinstance(kernel, triton.JITFunction):
+        raise TypeError(
+            "AOT compilation needs real @triton.jit kernels: unset TRITON_INTERPRET in this "
+            "process (its interpreted kernels cannot be compiled)"
+        )
+    return kernel
+
+
+def ptx_params(ptx: str) -> list[str]:
+    """The PTX types of the entry's parameters, e.g. ``[".u64", ".u32", ...]``."""
+    match = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.S)
+    if match is None:
+        raise ValueError("no .entry in the PTX")
+    return re.findall(r"\.param\s+(\.\w+)", match.group(1))
+
+
+def expected_abi(plugin: PluginKernel) -> list[str]:
+    """What TensorRT's AOT launcher passes: input pointers, int32 scalars, output pointers,
+    then Triton's two hidden scratch pointers (passed as null)."""
+    return (
+        [".u64"] * len(plugin.inputs)
+        + [".u32"] * len(plugin.int_args)
+        + [".u64"] * (len(plugin.outputs) + HIDDEN_SCRATCH_PARAMS)
+    )
+
+
+def _rows(shapes: Shapes, name: str) -> int:
+    shape = shapes[name]
+    count = 1
+    for dim in shape[:-1]:
+        count *= dim
+    return count
+
+
+def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    head_k, head_v = config["head_k"], config["head_v"]
+    block_k = triton.next_power_of_2(head_k)
+    lower_bound = config.get("lower_bound")
+    return dict(
+        scale=float(config.get("scale") or head_k**-0.5),
+        lower_bound=0.0 if lower_bound is None else float(lower_bound),
+        H=config["heads"], HV=config["value_heads"], K=head_k, V=head_v, BK=block_k,
+        BV=min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16),
+        SCALAR_GATE=bool(config.get("scalar_gate", False)), USE_GATE=True, HAS_DT_BIAS=True,
+        USE_LOWER_BOUND=lower_bound is not None,
+        USE_L2NORM=bool(config.get("use_qk_l2norm", True)),
+        USE_BETA_SIGMOID=bool(config.get("use_beta_sigmoid", True)),
+        HAS_STATE_IN=True, USE_INDICES=False, IS_VARLEN=False,
+    )  # fmt: skip
+
+
+def _recurrent(name: str) -> PluginKernel:
+    return PluginKernel(
+        name=name,
+        kernel=recurrent_kda_kernel,
+        inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in"),
+        int_args={"length": lambda s: s["q"][1]},
+        outputs=("o", "state_out"),
+        absent=("state_indices", "cu_seqlens"),
+        constexprs=_recurrent_constexprs,
+        grid=lambda s, c: (triton.cdiv(c["V"], c["BV"]), s["q"][0] * c["HV"], 1),
+        float32_params=("A_log", "dt_bias", "state_in", "state_out"),
+    )
+
+
+CONV_BLOCK_T = 16
+
+
+def _conv_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    channels, width = config["channels"], config["width"]
+    return dict(
+        D=channels, W=width, BT=CONV_BLOCK_T, BD=min(triton.next_power_of_2(channels), 256),
+        BN=1, HAS_BIAS=True, HAS_STATE=True, USE_INDICES=False, IS_VARLEN=False,
+        SILU=config.get("activation", "silu") == "silu",
+    )  # fmt: skip
+
+
+def _conv_state_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    base = _conv_constexprs(config)
+    return dict(D=base["D"], W=base["W"], BD=base["BD"],
+                BW=triton.next_power_of_2(base["W"] - 1), HAS_STATE=True, USE_INDICES=False,
+                IS_VARLEN=False)  # fmt: skip
+
+
+def _norm_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    width = config["dim"]
+    block = triton.next_power_of_2(width)
+    return dict(eps=float(config.get("eps", 1e-5)), D=width, BD=block,
+                ROWS=max(1, 2048 // block), SILU=config.get("activation") == "silu")  # fmt: skip
+
+
+def _gate_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    channels = config["head_k"]
+    block = triton.next_power_of_2(channels)
+    lower_bound = config.get("lower_bound")
+    return dict(
+        lower_bound=0.0 if lower_bound is None else float(lower_bound),
+        HV=config["value_heads"], K=channels, BK=block, ROWS=max(1, min(128, 8192 // block)),
+        HAS_DT_BIAS=True, USE_LOWER_BOUND=lower_bound is not None,
+    )  # fmt: skip
+
+
+PLUGINS: dict[str, PluginKernel] = {
+    "recurrent": _recurrent("recurrent"),
+    "chunk": _recurrent("chunk"),
+    "causal_conv1d_output": PluginKernel(
+        name="causal_conv1d_output",
+        kernel=causal_conv1d_kernel,
+        inputs=("x", "weight", "bias", "state"),
+        int_args={"length": lambda s: s["x"][1], "n_seqs": lambda s: s["x"][0]},
+        outputs=("y",),
+        absent=("state_indices", "cu_seqlens"),
+        constexprs=_conv_constexprs,
+        grid=lambda s, c: (
+            triton.cdiv(s["x"][1], c["BT"]),
+            triton.cdiv(c["D"], c["BD"]),
+            s["x"][0],
+        ),
+    ),
+    "causal_conv1d_state": PluginKernel(
+        name="causal_conv1d_state",
+        kernel=conv_final_state_kernel,
+        inputs=("x", "state_in"),
+        int_args={"length": lambda s: s["x"][1]},
+        outputs=("state_out",),
+        absent=("state_indices", "cu_seqlens"),
+        constexprs=_conv_state_constexprs,
+        grid=lambda s, c: (s["x"][0], triton.cdiv(c["D"], c["BD"]), 1),
+    ),
+    "gated_rms_norm": PluginKernel(
+        name="gated_rms_norm",
+        kernel=gated_rms_norm_kernel,
+        inputs=("x", "gate", "weight"),
+        int_args={"n_rows": lambda s: _rows(s, "x")},
+        outputs=("y",),
+        absent=(),
+        constexprs=_norm_constexprs,
+        grid=lambda s, c: (triton.cdiv(_rows(s, "x"), c["ROWS"]), 1, 1),
+    ),
+    "gate": PluginKernel(
+        name="gate",
+        kernel=kda_gate_kernel,
+        inputs=("g", "A_log", "dt_bias"),
+        int_args={"n_rows": lambda s: _rows(s, "g")},
+        outputs=("out",),
+        absent=(),
+        constexprs=_gate_constexprs,
+        grid=lambda s, c: (triton.cdiv(_rows(s, "g"), c["ROWS"]), 1, 1),
+        float32_params=("A_log", "dt_bias", "out"),
+    ),
+}
+
+
+def abi_report(config: Mapping[str, object], dtypes: tuple[str, ...]) -> dict[str, dict]:
+    """Compile every plugin kernel for each dtype; per ``"name/dtype"``: the PTX entry's
+    parameter types, the ABI TensorRT expects, the scratch sizes and the PTX target."""
+    report = {}
+    for name, plugin in sorted(PLUGINS.items()):
+        for dtype in dtypes:
+            compiled = plugin.compile(dtype, config)
+            ptx = compiled.asm["ptx"]
+            report[f"{name}/{dtype}"] = dict(
+                params=ptx_params(ptx), expected=expected_abi(plugin),
+                global_scratch_size=compiled.metadata.global_scratch_size,
+                profile_scratch_size=compiled.metadata.profile_scratch_size,
+                sm_90=".target sm_90" in ptx,
+            )  # fmt: skip
+    return report

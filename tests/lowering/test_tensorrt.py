@@ -1,0 +1,123 @@
+"""lowering.tensorrt: every TensorRT-bound kernel AOT-compiles to sm_90 PTX with the ABI
+TensorRT's AOT launcher uses (CPU); the PTX, loaded through the CUDA driver and launched
+with exactly that argument list and grid, matches the reference (GPU)."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_ops import reference
+from lowering import tensorrt as trt_kernels
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The tiny hybrid model's dims (tests/examples/cases.py): 2 heads x 16, conv width 4.
+CONFIG = dict(heads=2, value_heads=2, head_k=16, head_v=16, lower_bound=-5.0, channels=32,
+              width=4, dim=16, eps=1e-6, activation="sigmoid")  # fmt: skip
+
+
+DTYPES = ("float16", "bfloat16")
+REPORT_SCRIPT = """
+import json, sys
+from lowering.tensorrt import abi_report
+print(json.dumps(abi_report(json.loads(sys.argv[1]), tuple(sys.argv[2:]))))
+"""
+
+
+@pytest.fixture(scope="module")
+def abi():
+    """AOT-compile in a process without TRITON_INTERPRET (interpreted kernels can't compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", REPORT_SCRIPT, json.dumps(CONFIG), *DTYPES],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(trt_kernels.PLUGINS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plugin_kernel_ptx_has_tensorrt_aot_abi(abi, name, dtype):
+    entry = abi[f"{name}/{dtype}"]
+    assert entry["sm_90"]
+    assert entry["params"] == entry["expected"]  # inputs, int32s, outputs, 2 scratch
+    assert ".f32" not in entry["params"] and ".f64" not in entry["params"]  # no floats
+    assert entry["global_scratch_size"] == 0 and entry["profile_scratch_size"] == 0
+
+
+def test_expected_abi_orders_inputs_ints_outputs():
+    plugin = trt_kernels.PLUGINS["recurrent"]
+    assert trt_kernels.expected_abi(plugin) == [".u64"] * 8 + [".u32"] + [".u64"] * 4
+
+
+def test_signature_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        trt_kernels.PLUGINS["gate"].signature("int8", CONFIG)
+
+
+def _driver():
+    if importlib.util.find_spec("cuda") is None:
+        pytest.skip("cuda-python is not installed")
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result):
+    error, *values = result
+    assert int(error) == 0, error
+    return values[0] if len(values) == 1 else values
+
+
+@pytest.mark.gpu
+def test_gated_rms_norm_and_recurrent_ptx_launched_like_tensorrt_match_reference():
+    """Launch the PTX through the CUDA driver with TensorRT's argument list: input
+    pointers, int32 scalars, output pointers, two null scratch pointers."""
+    import ctypes
+
+    driver = _driver()
+    torch.cuda.init()
+    cases = _gpu_cases()
+    for name, (inputs, outputs, expected) in cases.items():
+        plugin = trt_kernels.PLUGINS[name]
+        compiled = plugin.compile("float16", CONFIG)
+        module = _check(driver.cuModuleLoadData(compiled.asm["ptx"].encode() + b"\0"))
+        function = _check(driver.cuModuleGetFunction(module, compiled.metadata.name.encode()))
+        shapes = {n: tuple(t.shape) for n, t in inputs.items()}
+        pointers = [ctypes.c_void_p(t.data_ptr()) for t in inputs.values()]
+        ints = [ctypes.c_int32(v) for v in plugin.launch_args(shapes)]
+        out_pointers = [ctypes.c_void_p(t.data_ptr()) for t in outputs.values()]
+        scratch = [ctypes.c_void_p(0), ctypes.c_void_p(0)]
+        args = [*pointers, *ints, *out_pointers, *scratch]
+        arg_array = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        grid = plugin.grid(shapes, plugin.constexprs(CONFIG))
+        _check(driver.cuLaunchKernel(function, *grid, 32 * plugin.num_warps, 1, 1,
+                                     compiled.metadata.shared, 0, arg_array, 0))  # fmt: skip
+        torch.cuda.synchronize()
+        for got, want in zip(outputs.values(), expected):
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _gpu_cases():
+    cuda = dict(device="cuda")
+    x, gate = torch.randn(3, 5, 16, dtype=torch.float16, **cuda), torch.randn(3, 5, 16, **cuda)
+    gate, weight = gate.half(), torch.randn(16, dtype=torch.float16, **cuda)
+    norm = (dict(x=x, gate=gate, weight=weight), dict(y=torch.empty_like(x)),
+            [reference.gated_rms_norm(x, gate, weight, CONFIG["eps"], "sigmoid")])  # fmt: skip
+    q, k, v = (torch.randn(2, 1, 2, 16, dtype=torch.float16, **cuda) for _ in range(3))
+    g, beta = torch.randn(2, 1, 2, 16, dtype=torch.float16, **cuda), torch.randn(2, 1, 2, **cuda)
+    A_log, dt_bias = torch.randn(2, **cuda), torch.randn(32, **cuda)
+    state = torch.randn(2, 2, 16, 16, **cuda)
+    args = (q, k, v, g, beta.half(), A_log, dt_bias, state)
+    o, final = reference.delta_rule(
+        reference.recurrent_delta_rule, *args, None, 16**-0.5, -5.0, True, True
+    )
+    outputs = dict(o=torch.empty_like(v), state_out=torch.empty_like(state))
+    recurrent = (dict(zip(trt_kernels.PLUGINS["recurrent"].inputs, args)), outputs, [o, final])
+    return {"gated_rms_norm": norm, "recurrent": recurrent}
