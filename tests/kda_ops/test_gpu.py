@@ -145,8 +145,21 @@ def test_chunk_against_fla_long(lower_bound):
     x, kwargs = chunk_inputs(8192, 96, lower_bound)
     o, final = kda_ops.chunk_kda(**x, **kwargs)
     o_fla, final_fla = fla_chunk_kda(**x, **kwargs)
-    assert relative_error(o, o_fla) < 5e-3
-    assert relative_error(final, final_fla) < 5e-3
+    # Where ours and FLA disagree, the float64 reference on two heads says who is off.
+    heads = {name: t[:, :, :2] if t.dim() >= 3 else t[:2] for name, t in x.items()}
+    heads["dt_bias"] = x["dt_bias"][: 2 * 128]
+    o_ref, final_ref = kda_ops.chunk_kda(**float64(heads), **kwargs)
+
+    def against_reference(out, state):
+        return relative_error(out[:, :, :2], o_ref), relative_error(state[:, :2], final_ref)
+
+    errors = {
+        "ours-vs-fla": (relative_error(o, o_fla), relative_error(final, final_fla)),
+        "ours-vs-fp64": against_reference(o, final),
+        "fla-vs-fp64": against_reference(o_fla, final_fla),
+    }
+    assert max(errors["ours-vs-fp64"]) < 5e-3, errors
+    assert max(errors["ours-vs-fla"]) < 5e-3, errors
 
 
 @needs_fla
