@@ -213,7 +213,8 @@ def test_static_dims_keeps_ints():
 def test_attributes_match_the_onnx_plugin_node_attributes():
     from lowering import onnx as kda_onnx
 
-    for name in ("recurrent", "chunk", "gated_rms_norm", "gate"):
+    for name in ("recurrent", "chunk", "causal_conv1d_output", "causal_conv1d_state",
+                 "gated_rms_norm", "gate"):  # fmt: skip
         assert list(qdp.SPECS[name].attributes) == kda_onnx.PLUGIN_OPS[name]["attributes"]
 
 
