@@ -289,3 +289,121 @@ def register_plugins() -> tuple[str, ...]:
     for name in SPECS:
         _register_one(name)
     return tuple(f"{NAMESPACE}::{name}" for name in SPECS)
+
+
+# ----------------------------------------------------------------- Torch-TensorRT
+
+OPTIONAL_TENSORS = ("A_log", "dt_bias", "initial_state", "bias")
+
+
+def bind_arguments(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict:
+    """A ``torch.FunctionSchema`` call's arguments by name, defaults filled in."""
+    bound = {}
+    for index, argument in enumerate(schema.arguments):
+        if index < len(args):
+            bound[argument.name] = args[index]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        else:
+            bound[argument.name] = argument.default_value
+    return bound
+
+
+def convertible(bound: Mapping[str, Any]) -> bool:
+    """Whether a ``kda`` op call has a plugin form: every optional tensor present (TensorRT
+    plugins take no optional inputs) and no packed sequences."""
+    present = all(bound.get(n, True) is not None for n in OPTIONAL_TENSORS)
+    return present and bound.get("cu_seqlens") is None
+
+
+def delta_attributes(bound: Mapping[str, Any]) -> dict[str, Any]:
+    """Plugin attributes of a ``kda.chunk`` / ``kda.recurrent`` call."""
+    lower_bound = bound["lower_bound"]
+    return dict(scale=float(bound["scale"]), lower_bound=float(lower_bound or 0.0), use_gate=1,
+                use_lower_bound=int(lower_bound is not None),
+                use_qk_l2norm=int(bound["use_qk_l2norm"]),
+                use_beta_sigmoid=int(bound["use_beta_sigmoid"]))  # fmt: skip
+
+
+def plugin_chain(op: str, bound: Mapping[str, Any]) -> list[tuple[str, dict, dict]]:
+    """The plugins replacing ``kda.<op>``: ``[(plugin, {input: source}, attributes)]``;
+    a source is an op argument name or ``"<plugin>.<output>"`` of an earlier plugin."""
+    delta = {n: n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+    if op == "recurrent":
+        return [("recurrent", {**delta, "state_in": "initial_state"}, delta_attributes(bound))]
+    if op == "chunk":
+        carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+        recurrence = {**carried, "initial_state": "initial_state"}
+        return [("chunk_prepare", delta, delta_attributes(bound)),
+                ("chunk_recurrence", recurrence, {})]  # fmt: skip
+    if op == "causal_conv1d":
+        silu = int(bound["activation"] == "silu")
+        return [("causal_conv1d_output",
+                 dict(x="x", weight="weight", bias="bias", state="initial_state"), dict(silu=silu)),
+                ("causal_conv1d_state", dict(x="x", state_in="initial_state"), {})]  # fmt: skip
+    if op == "gated_rms_norm":
+        attrs = dict(eps=float(bound["eps"]), silu=int(bound["activation"] == "silu"))
+        return [("gated_rms_norm", dict(x="x", gate="gate", weight="weight"), attrs)]
+    if op == "gate":
+        lower_bound = bound["lower_bound"]
+        attrs = dict(lower_bound=float(lower_bound or 0.0),
+                     use_lower_bound=int(lower_bound is not None))  # fmt: skip
+        return [("gate", dict(g="g", A_log="A_log", dt_bias="dt_bias"), attrs)]
+    raise ValueError(f"kda.{op} has no TensorRT plugin form")
+
+
+# The op's outputs, as "<plugin>.<output>" sources.
+OP_OUTPUTS = {
+    "recurrent": ("recurrent.o", "recurrent.state_out"),
+    "chunk": ("chunk_recurrence.o", "chunk_recurrence.final_state"),
+    "causal_conv1d": ("causal_conv1d_output.y", "causal_conv1d_state.state_out"),
+    "gated_rms_norm": ("gated_rms_norm.y",),
+    "gate": ("gate.out",),
+}
+
+
+def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """Torch-TensorRT converter body: add ``op``'s plugin chain (AOT plugins) to the
+    network."""
+    import tensorrt.plugin as trtp
+    from torch_tensorrt.dynamo.conversion.converter_utils import get_trt_tensor
+
+    bound = bind_arguments(target._schema, args, kwargs)
+    values: dict[str, Any] = {}
+    for plugin, sources, attrs in plugin_chain(op, bound):
+        inputs = [values[s] if "." in s else get_trt_tensor(ctx, bound[s], f"{name}_{s}")
+                  for s in sources.values()]  # fmt: skip
+        layer = ctx.net.add_plugin(getattr(trtp.op.kda, plugin)(*inputs, **attrs), aot=True)
+        layer.name = f"[{target}]-[{name}]-{plugin}"
+        for index, output in enumerate(SPECS[plugin].outputs):
+            values[f"{plugin}.{output}"] = layer.get_output(index)
+    outputs = tuple(values[s] for s in OP_OUTPUTS[op])
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _validator(op: str) -> Callable[..., bool]:
+    def validate(node: Any, settings: Any = None) -> bool:
+        return convertible(bind_arguments(node.target._schema, node.args, node.kwargs))
+
+    return validate
+
+
+@functools.cache
+def register_torch_tensorrt_converters() -> tuple[str, ...]:
+    """Register a Torch-TensorRT converter for every functional ``kda`` op (once), each
+    adding the op's AOT plugin chain; calls with an absent optional tensor or packed
+    sequences stay in PyTorch (the validator rejects them). Returns the op names.
+    Raises ``ImportError`` when ``torch_tensorrt`` / TensorRT is missing."""
+    import torch
+    from torch_tensorrt.dynamo.conversion import dynamo_tensorrt_converter
+
+    import kda_ops  # noqa: F401  (registers torch.ops.kda)
+
+    register_plugins()
+    for op in OP_OUTPUTS:
+        converter = _bound(_convert, op, [], Any)
+        del converter.__signature__  # Torch-TensorRT calls (ctx, target, args, kwargs, name)
+        overload = getattr(torch.ops.kda, op).default
+        dynamo_tensorrt_converter(overload, capability_validator=_validator(op),
+                                  supports_dynamic_shapes=True)(converter)  # fmt: skip
+    return tuple(OP_OUTPUTS)

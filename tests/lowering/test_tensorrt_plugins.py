@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import reference
 from lowering import tensorrt_plugins as qdp
 
@@ -225,3 +226,50 @@ def test_register_plugins_with_tensorrt():
     assert qdp.register_plugins() == tuple(f"kda::{n}" for n in qdp.SPECS)
     for name in qdp.SPECS:
         assert hasattr(trtp.op.kda, name)
+
+
+OP_CALLS = {  # arguments of a convertible call of each functional kda op
+    "recurrent": dict(cu_seqlens=None, scale=0.25, lower_bound=-5.0, use_qk_l2norm=True,
+                      use_beta_sigmoid=False),
+    "causal_conv1d": dict(cu_seqlens=None, activation="silu"),
+    "gated_rms_norm": dict(eps=1e-6, activation="sigmoid"),
+    "gate": dict(lower_bound=None),
+}  # fmt: skip
+OP_CALLS["chunk"] = OP_CALLS["recurrent"]
+
+
+@pytest.mark.parametrize("op", sorted(qdp.OP_OUTPUTS))
+def test_torch_op_plugin_chain_is_wired(op):
+    """Each plugin gets its kernel's inputs in order, from op arguments or earlier plugin
+    outputs, and exactly its attributes; the op's outputs come from the chain."""
+    schema = getattr(torch.ops.kda, op).default._schema
+    names = [a.name for a in schema.arguments]
+    bound = qdp.bind_arguments(schema, [], {**dict.fromkeys(names, "tensor"), **OP_CALLS[op]})
+    assert qdp.convertible(bound)
+    available = set(names)
+    for plugin, sources, attrs in qdp.plugin_chain(op, bound):
+        assert tuple(sources) == qdp.SPECS[plugin].kernel.inputs
+        assert set(sources.values()) <= available
+        assert list(attrs) == list(qdp.SPECS[plugin].attributes)
+        available |= {f"{plugin}.{out}" for out in qdp.SPECS[plugin].outputs}
+    assert set(qdp.OP_OUTPUTS[op]) <= available
+    assert len(qdp.OP_OUTPUTS[op]) == len(schema.returns)
+
+
+def test_calls_with_absent_optionals_or_packed_sequences_stay_in_pytorch():
+    schema = torch.ops.kda.recurrent.default._schema
+    full = {a.name: "tensor" for a in schema.arguments}
+    assert not qdp.convertible(qdp.bind_arguments(schema, [], {**full, "initial_state": None}))
+    assert not qdp.convertible(qdp.bind_arguments(schema, [], full))  # cu_seqlens given
+    attrs = qdp.delta_attributes({**OP_CALLS["recurrent"], "lower_bound": None})
+    assert attrs["use_lower_bound"] == 0 and attrs["use_qk_l2norm"] == 1
+
+
+def test_register_torch_tensorrt_converters():
+    pytest.importorskip("torch_tensorrt", reason="Torch-TensorRT is not installed (TensorRT "
+                        "cannot be installed here)")  # fmt: skip
+    from torch_tensorrt.dynamo.conversion import DYNAMO_CONVERTERS
+
+    assert qdp.register_torch_tensorrt_converters() == tuple(qdp.OP_OUTPUTS)
+    for op in qdp.OP_OUTPUTS:
+        assert getattr(torch.ops.kda, op).default in DYNAMO_CONVERTERS
