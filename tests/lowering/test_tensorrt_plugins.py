@@ -7,7 +7,11 @@ need TensorRT and skip without it."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -273,3 +277,26 @@ def test_register_torch_tensorrt_converters():
     assert qdp.register_torch_tensorrt_converters() == tuple(qdp.OP_OUTPUTS)
     for op in qdp.OP_OUTPUTS:
         assert getattr(torch.ops.kda, op).default in DYNAMO_CONVERTERS
+
+
+def test_export_tensorrt_example_exits_clearly_without_tensorrt(tmp_path):
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed: the engine test below runs instead")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "examples.export_tensorrt", str(tmp_path)],
+                            cwd=root, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert "`tensorrt` is not importable" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_decode_engine_builds_from_plugin_onnx(tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it cannot be here)")
+    if not torch.cuda.is_available():
+        pytest.skip("building the AOT plugins' engine needs an sm_90 GPU")
+    from examples import export_onnx, export_tensorrt
+    from examples.hybrid_model import HybridConfig, HybridLM
+
+    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    files = export_onnx.export_hybrid(model, tmp_path, modes=("plugin",))
+    assert export_tensorrt.build_from_onnx(files["decode", "plugin"], "decode")
