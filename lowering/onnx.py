@@ -11,7 +11,10 @@ Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
   works) and the attributes TensorRT's ONNX parser uses to find a plugin
   (``plugin_namespace="kda"``, ``plugin_version="1"``). Absent optional inputs are
   materialized (zeros, or a ``use_gate=0`` flag for ``A_log``) because TensorRT plugins
-  take no optional inputs; every float argument is an attribute.
+  take no optional inputs; every float argument is an attribute; ``A_log`` / ``dt_bias``
+  are float32. The conv is two nodes, ``causal_conv1d_output`` then
+  ``causal_conv1d_state``: each node is one single-kernel plugin of
+  ``lowering.tensorrt_plugins``.
 
 Packed sequences (``cu_seqlens``) are not translated: a ``ValueError`` says so.
 """
@@ -231,11 +234,18 @@ PLUGIN_OPS: dict[str, dict[str, object]] = {
         ],
         rules=[_copy_type(2, 0), _copy_type(7, 1)],
     ),
-    "causal_conv1d": dict(
-        inputs=["x", "weight", "bias", "initial_state"],
-        outputs=[("y", "T"), ("final_state", "T")],
+    # The conv is a chain of two plugins (TensorRT plugins run one kernel each).
+    "causal_conv1d_output": dict(
+        inputs=["x", "weight", "bias", "state"],
+        outputs=[("y", "T")],
         attributes=["silu"],
-        rules=[_copy_type(0, 0), _copy_type(3, 1)],
+        rules=[_copy_type(0, 0)],
+    ),
+    "causal_conv1d_state": dict(
+        inputs=["x", "state_in"],
+        outputs=[("state_out", "T")],
+        attributes=[],
+        rules=[_copy_type(1, 0)],
     ),
     "gated_rms_norm": dict(
         inputs=["x", "gate", "weight"],
@@ -318,8 +328,8 @@ def _plugin_delta_rule(name: str) -> Callable[..., tuple[Value, Value]]:
         gate_width = 1 if len(g.shape) == 3 else head_k
         inputs = [
             q, k, v, g, beta,
-            _or_zeros(A_log, [value_heads], q),
-            _or_zeros(dt_bias, [value_heads * gate_width], q),
+            _f32(_or_zeros(A_log, [value_heads], q)),
+            _f32(_or_zeros(dt_bias, [value_heads * gate_width], q)),
             _f32(_or_zeros(initial_state, [-1, value_heads, head_k, head_v], q)),
         ]  # fmt: skip
         o, state = _plugin_node(
@@ -338,9 +348,10 @@ def plugin_causal_conv1d(
 ) -> tuple[Value, Value]:  # fmt: skip
     _reject_varlen("causal_conv1d", cu_seqlens)
     channels, width = weight.shape[0], weight.shape[1]
-    inputs = [x, weight, _or_zeros(bias, [channels], x),
-              _or_zeros(initial_state, [-1, channels, width - 1], x)]  # fmt: skip
-    return _plugin_node("causal_conv1d", inputs, silu=activation == "silu")
+    state = _or_zeros(initial_state, [-1, channels, width - 1], x)
+    inputs = [x, weight, _or_zeros(bias, [channels], x), state]
+    y = _plugin_node("causal_conv1d_output", inputs, silu=activation == "silu")
+    return y, _plugin_node("causal_conv1d_state", [x, state])
 
 
 def plugin_gated_rms_norm(

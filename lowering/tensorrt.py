@@ -12,15 +12,15 @@ flag into constexprs, and gives the launch grid from shapes alone.
 Plugins (namespace ``kda``, the op types of ``lowering.onnx``'s plugin mode):
 
 - ``recurrent``: one kernel, ``recurrent_kda_kernel`` (any T; T = 1 for decode).
-- ``chunk``: the same single kernel (token-serial, same results as the chunk op); the
-  multi-kernel chunk pipeline of ``kernels/chunk.py`` is not wrapped yet.
+- ``chunk``: the same single kernel (token-serial, same results as the chunk op).
+- ``chunk_prepare`` then ``chunk_recurrence``: the two-kernel chunk pipeline of
+  ``kernels/chunk.py`` as a chain of two single-kernel plugins; the prepare plugin's
+  outputs (cumulative gate, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
 - ``causal_conv1d``: a chain of two single-kernel plugins, ``causal_conv1d_output`` (y)
   then ``causal_conv1d_state`` (final state).
 - ``gated_rms_norm`` and ``gate``: one kernel each.
 
-Not done yet: the ``tensorrt.plugin.register`` / ``aot_impl`` definitions themselves, their
-Torch-TensorRT registration and ``examples/export_tensorrt.py`` (TensorRT cannot be
-installed here, so none of it could be run).
+The ``tensorrt.plugin`` definitions built on these live in ``lowering.tensorrt_plugins``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kda_ops.kernels.chunk import BLOCK as CHUNK_BLOCK
+from kda_ops.kernels.chunk import (
+    CHUNK,
+    SAFE_GATE_LOWER_BOUND,
+    chunk_prepare_kernel,
+    chunk_recurrence_kernel,
+)
 from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
@@ -52,9 +59,13 @@ class PluginKernel:
     ``inputs`` / ``outputs``: kernel parameters that are the plugin's input / output
     tensors, in plugin order; ``int_args``: int scalar parameters, each a function of the
     input shapes; ``absent``: pointer parameters specialized to ``None``; ``constexprs``:
-    the kernel's compile-time values for a config (dims, flags, float scalars);
-    ``grid``: launch grid from the input shapes and constexprs; ``state_dtype``: the dtype
-    of parameters that are float32 whatever the model dtype (states, gate parameters)."""
+    the kernel's compile-time values for a config (dims, flags, float scalars; the config
+    also holds ``"dtype"`` when compiling); ``grid``: launch grid from the input shapes and
+    constexprs; ``float32_params``: parameters that are float32 whatever the model dtype
+    (states, gate parameters); ``num_warps``: a count, or a function of the constexprs.
+
+    ``grid`` and ``int_args`` only add, subtract, multiply and floor-divide shapes by ints
+    (shape first), so they also take TensorRT's symbolic ``ShapeExpr`` dims."""
 
     name: str
     kernel: object  # a @triton.jit kernel
@@ -65,13 +76,19 @@ class PluginKernel:
     constexprs: Callable[[Mapping[str, object]], dict[str, object]]
     grid: Callable[[Shapes, Mapping[str, object]], tuple[int, int, int]]
     float32_params: tuple[str, ...] = ()
-    num_warps: int = 4
+    num_warps: int | Callable[[Mapping[str, object]], int] = 4
+
+    def warps(self, config: Mapping[str, object]) -> int:
+        """Warps per program for ``config``."""
+        if callable(self.num_warps):
+            return self.num_warps(self.constexprs(config))
+        return self.num_warps
 
     def signature(self, dtype: str, config: Mapping[str, object]) -> tuple[dict, dict]:
         """Triton (signature, constexprs) for tensors of ``dtype`` ("float16", ...)."""
         if dtype not in TRITON_DTYPES:
             raise ValueError(f"`dtype` must be one of {tuple(TRITON_DTYPES)}, got {dtype!r}")
-        constants = {**self.constexprs(config), **dict.fromkeys(self.absent)}
+        constants = {**self.constexprs({**config, "dtype": dtype}), **dict.fromkeys(self.absent)}
         signature = {}
         for name in self.kernel.arg_names:
             if name in constants:
@@ -89,7 +106,8 @@ class PluginKernel:
         """AOT-compile for sm_90 (no GPU needed); ``.asm["ptx"]`` is the plugin's PTX."""
         signature, constants = self.signature(dtype, config)
         source = ASTSource(_compilable(self.kernel), signature, constexprs=constants)
-        return triton.compile(source, target=SM90, options={"num_warps": self.num_warps})
+        options = {"num_warps": self.warps({**config, "dtype": dtype})}
+        return triton.compile(source, target=SM90, options=options)
 
     def launch_args(self, shapes: Shapes) -> list[int]:
         """The int scalars TensorRT passes between inputs and outputs."""
@@ -124,11 +142,17 @@ def expected_abi(plugin: PluginKernel) -> list[str]:
 
 
 def _rows(shapes: Shapes, name: str) -> int:
+    """Product of every dim but the last (shape-first products: ``ShapeExpr`` safe)."""
     shape = shapes[name]
-    count = 1
-    for dim in shape[:-1]:
-        count *= dim
+    count = shape[0]
+    for dim in shape[1:-1]:
+        count = count * dim
     return count
+
+
+def cdiv(dim: int, block: int) -> int:
+    """``ceil(dim / block)`` for an int or symbolic ``dim`` and an int ``block``."""
+    return (dim + (block - 1)) // block
 
 
 def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
@@ -140,12 +164,17 @@ def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
         lower_bound=0.0 if lower_bound is None else float(lower_bound),
         H=config["heads"], HV=config["value_heads"], K=head_k, V=head_v, BK=block_k,
         BV=min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16),
-        SCALAR_GATE=bool(config.get("scalar_gate", False)), USE_GATE=True, HAS_DT_BIAS=True,
-        USE_LOWER_BOUND=lower_bound is not None,
+        SCALAR_GATE=bool(config.get("scalar_gate", False)), USE_GATE=_use_gate(config),
+        HAS_DT_BIAS=_use_gate(config), USE_LOWER_BOUND=lower_bound is not None,
         USE_L2NORM=bool(config.get("use_qk_l2norm", True)),
         USE_BETA_SIGMOID=bool(config.get("use_beta_sigmoid", True)),
         HAS_STATE_IN=True, USE_INDICES=False, IS_VARLEN=False,
     )  # fmt: skip
+
+
+def _use_gate(config: Mapping[str, object]) -> bool:
+    """Whether the gate is computed in-kernel from A_log / dt_bias (the default)."""
+    return bool(config.get("use_gate", True))
 
 
 def _recurrent(name: str) -> PluginKernel:
@@ -157,7 +186,7 @@ def _recurrent(name: str) -> PluginKernel:
         outputs=("o", "state_out"),
         absent=("state_indices", "cu_seqlens"),
         constexprs=_recurrent_constexprs,
-        grid=lambda s, c: (triton.cdiv(c["V"], c["BV"]), s["q"][0] * c["HV"], 1),
+        grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["q"][0] * c["HV"], 1),
         float32_params=("A_log", "dt_bias", "state_in", "state_out"),
     )
 
@@ -199,9 +228,68 @@ def _gate_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     )  # fmt: skip
 
 
+def _chunk_blocks(config: Mapping[str, object]) -> tuple[int, int, str]:
+    """(BK, BV, dot precision) as ``launch_chunk_kda`` picks them."""
+    block_k = max(16, triton.next_power_of_2(config["head_k"]))
+    block_v = max(16, triton.next_power_of_2(config["head_v"]))
+    return block_k, block_v, "ieee" if config.get("dtype") == "float32" else "tf32"
+
+
+def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    block_k, block_v, precision = _chunk_blocks(config)
+    base = _recurrent_constexprs(config)
+    safe = (base["USE_LOWER_BOUND"] and base["USE_GATE"] and config.get("dtype") != "float16"
+            and base["lower_bound"] >= SAFE_GATE_LOWER_BOUND)  # fmt: skip
+    return dict(
+        scale=base["scale"], lower_bound=base["lower_bound"], H=base["H"], HV=base["HV"],
+        K=base["K"], V=base["V"], BK=block_k, BV=block_v, BN=1, BLOCK=CHUNK_BLOCK,
+        SCALAR_GATE=base["SCALAR_GATE"], USE_GATE=base["USE_GATE"],
+        HAS_DT_BIAS=base["HAS_DT_BIAS"], USE_LOWER_BOUND=base["USE_LOWER_BOUND"],
+        SAFE_GATE=safe, USE_L2NORM=base["USE_L2NORM"], USE_BETA_SIGMOID=base["USE_BETA_SIGMOID"],
+        IS_VARLEN=False, DOT_PRECISION=precision,
+    )  # fmt: skip
+
+
+def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, object]:
+    block_k, block_v, precision = _chunk_blocks(config)
+    return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"], BK=block_k,
+                BV=min(block_v, 32), HAS_INITIAL_STATE=True, IS_VARLEN=False,
+                DOT_PRECISION=precision)  # fmt: skip
+
+
+def chunk_count(shapes: Shapes, name: str = "q") -> int:
+    """Chunks of a padded batch ``[B, T, ...]``: ``B * ceil(T / 64)``."""
+    return shapes[name][0] * cdiv(shapes[name][1], CHUNK)
+
+
+CHUNK_INTERMEDIATES = ("cum_g", "w", "u", "qg", "kd", "aqk")
+
 PLUGINS: dict[str, PluginKernel] = {
     "recurrent": _recurrent("recurrent"),
     "chunk": _recurrent("chunk"),
+    "chunk_prepare": PluginKernel(
+        name="chunk_prepare",
+        kernel=chunk_prepare_kernel,
+        inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias"),
+        int_args={"length": lambda s: s["q"][1], "n_seqs": lambda s: s["q"][0]},
+        outputs=CHUNK_INTERMEDIATES,
+        absent=("cu_seqlens", "chunk_offsets"),
+        constexprs=_chunk_prepare_constexprs,
+        grid=lambda s, c: (chunk_count(s), c["HV"], 1),
+        float32_params=("A_log", "dt_bias", "cum_g"),
+        num_warps=lambda c: 4 if c["BK"] <= 64 else 8,
+    ),
+    "chunk_recurrence": PluginKernel(
+        name="chunk_recurrence",
+        kernel=chunk_recurrence_kernel,
+        inputs=(*CHUNK_INTERMEDIATES[1:], "cum_g", "initial_state"),
+        int_args={"length": lambda s: s["u"][1]},
+        outputs=("o", "final_state"),
+        absent=("cu_seqlens", "chunk_offsets"),
+        constexprs=_chunk_recurrence_constexprs,
+        grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["u"][0] * c["HV"], 1),
+        float32_params=("cum_g", "initial_state", "final_state"),
+    ),
     "causal_conv1d_output": PluginKernel(
         name="causal_conv1d_output",
         kernel=causal_conv1d_kernel,
@@ -211,8 +299,8 @@ PLUGINS: dict[str, PluginKernel] = {
         absent=("state_indices", "cu_seqlens"),
         constexprs=_conv_constexprs,
         grid=lambda s, c: (
-            triton.cdiv(s["x"][1], c["BT"]),
-            triton.cdiv(c["D"], c["BD"]),
+            cdiv(s["x"][1], c["BT"]),
+            cdiv(c["D"], c["BD"]),
             s["x"][0],
         ),
     ),
@@ -224,7 +312,7 @@ PLUGINS: dict[str, PluginKernel] = {
         outputs=("state_out",),
         absent=("state_indices", "cu_seqlens"),
         constexprs=_conv_state_constexprs,
-        grid=lambda s, c: (s["x"][0], triton.cdiv(c["D"], c["BD"]), 1),
+        grid=lambda s, c: (s["x"][0], cdiv(c["D"], c["BD"]), 1),
     ),
     "gated_rms_norm": PluginKernel(
         name="gated_rms_norm",
@@ -234,7 +322,7 @@ PLUGINS: dict[str, PluginKernel] = {
         outputs=("y",),
         absent=(),
         constexprs=_norm_constexprs,
-        grid=lambda s, c: (triton.cdiv(_rows(s, "x"), c["ROWS"]), 1, 1),
+        grid=lambda s, c: (cdiv(_rows(s, "x"), c["ROWS"]), 1, 1),
     ),
     "gate": PluginKernel(
         name="gate",
@@ -244,7 +332,7 @@ PLUGINS: dict[str, PluginKernel] = {
         outputs=("out",),
         absent=(),
         constexprs=_gate_constexprs,
-        grid=lambda s, c: (triton.cdiv(_rows(s, "g"), c["ROWS"]), 1, 1),
+        grid=lambda s, c: (cdiv(_rows(s, "g"), c["ROWS"]), 1, 1),
         float32_params=("A_log", "dt_bias", "out"),
     ),
 }

@@ -20,6 +20,10 @@ any other gate, and fp16, takes the exact token-by-token path for diagonal block
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
 last chunk exit.
+
+Both kernels order their parameters inputs → scalars → outputs and write every output
+element the next kernel reads (``Aqk`` above the diagonal is masked on load, never
+zero-filled), so they run as TensorRT AOT plugins (``lowering/tensorrt.py``).
 """
 
 from typing import Optional
@@ -72,8 +76,8 @@ def _inverse_unit_lower(a, BLOCK: tl.constexpr):
 @triton.jit
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-    cum_g, w, u, qg, kd, aqk,
     scale, lower_bound, length, n_seqs,
+    cum_g, w, u, qg, kd, aqk,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -210,8 +214,8 @@ def chunk_prepare_kernel(
 
 @triton.jit
 def chunk_recurrence_kernel(
-    w, u, qg, kd, aqk, cum_g, initial_state, final_state, o, cu_seqlens, chunk_offsets,
-    length,
+    w, u, qg, kd, aqk, cum_g, initial_state, cu_seqlens, chunk_offsets, length,
+    o, final_state,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -250,6 +254,8 @@ def chunk_recurrence_kernel(
         b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
         chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
         b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
+        # Blocks above the diagonal are never written (no zero-filled buffer needed).
+        b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
         last = tl.minimum(seq_len - c * 64, 64) - 1
         decay_last = tl.exp(tl.load(cum_g + ((bos + c * 64 + last) * HV + i_hv) * K + offs_k,
                                     mask=mask_k, other=0.0))  # fmt: skip
@@ -306,7 +312,7 @@ def launch_chunk_kda(
     cum_g = torch.empty(*tokens_shape, head_k, device=q.device, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
-    aqk = q.new_zeros(n_chunks, value_heads, CHUNK, CHUNK)
+    aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
     # fp16's range (e^11) cannot hold the in-block factors (up to e^80): exact path there.
     safe = (
         lower_bound is not None
@@ -316,8 +322,8 @@ def launch_chunk_kda(
     )
     chunk_prepare_kernel[(n_chunks, value_heads)](
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-        cum_g, w, u, qg, kd, aqk,
         scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
+        cum_g, w, u, qg, kd, aqk,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BN=triton.next_power_of_2(n_seqs), BLOCK=BLOCK,
         SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
@@ -335,8 +341,8 @@ def launch_chunk_kda(
     # 4 warps, against 456 B for 64 columns at 8 warps).
     split_v = min(block_v, 32)
     chunk_recurrence_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
-        w, u, qg, kd, aqk, cum_g, initial_state, final_state, o, cu_seqlens, chunk_offsets,
-        length,
+        w, u, qg, kd, aqk, cum_g, initial_state, cu_seqlens, chunk_offsets, length,
+        o, final_state,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=precision, num_warps=4,

@@ -71,7 +71,11 @@ def _plugin_nodes(path):
 
 
 @pytest.mark.parametrize(
-    "step, expected", [("prefill", {"chunk": 3, "causal_conv1d": 9}), ("decode", {"recurrent": 3})]
+    "step, expected",
+    [
+        ("prefill", {"chunk": 3, "causal_conv1d_output": 9, "causal_conv1d_state": 9}),
+        ("decode", {"recurrent": 3}),
+    ],
 )
 def test_plugin_mode_has_one_node_per_op_with_tensorrt_attributes(onnx_files, step, expected):
     nodes = _plugin_nodes(onnx_files[step, "plugin"])

@@ -56,6 +56,14 @@ def test_expected_abi_orders_inputs_ints_outputs():
     assert trt_kernels.expected_abi(plugin) == [".u64"] * 8 + [".u32"] + [".u64"] * 4
 
 
+@pytest.mark.parametrize("name", sorted(trt_kernels.PLUGINS))
+def test_plugin_roles_follow_kernel_parameter_order(name):
+    """Plugin inputs, int scalars and outputs appear in the kernel in that order."""
+    plugin = trt_kernels.PLUGINS[name]
+    roles = (*plugin.inputs, *plugin.int_args, *plugin.outputs)
+    assert [a for a in plugin.kernel.arg_names if a in roles] == list(roles)
+
+
 def test_signature_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="dtype"):
         trt_kernels.PLUGINS["gate"].signature("int8", CONFIG)
@@ -97,7 +105,7 @@ def test_gated_rms_norm_and_recurrent_ptx_launched_like_tensorrt_match_reference
         args = [*pointers, *ints, *out_pointers, *scratch]
         arg_array = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         grid = plugin.grid(shapes, plugin.constexprs(CONFIG))
-        _check(driver.cuLaunchKernel(function, *grid, 32 * plugin.num_warps, 1, 1,
+        _check(driver.cuLaunchKernel(function, *grid, 32 * plugin.warps(CONFIG), 1, 1,
                                      compiled.metadata.shared, 0, arg_array, 0))  # fmt: skip
         torch.cuda.synchronize()
         for got, want in zip(outputs.values(), expected):

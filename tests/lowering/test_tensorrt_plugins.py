@@ -1,0 +1,302 @@
+"""lowering.tensorrt_plugins: the QDP descriptor logic (output shapes and dtypes, kernel
+config, launch grid, int32 scalars) drives every plugin kernel, launched as TensorRT's AOT
+launcher would (named I/O, NaN-filled outputs, baked constexprs) under the Triton
+interpreter, to the reference's results (CPU); the same logic evaluates over symbolic dims
+using only the operators TensorRT's ``ShapeExpr`` has; registration and engine building
+need TensorRT and skip without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kda_ops  # noqa: F401  (registers torch.ops.kda)
+from kda_ops import reference
+from lowering import tensorrt_plugins as qdp
+
+HEADS, HEAD_K, HEAD_V, CHANNELS, WIDTH = 2, 16, 16, 8, 4
+DELTA_ATTRS = dict(scale=HEAD_K**-0.5, lower_bound=-5.0, use_gate=1, use_lower_bound=1,
+                   use_qk_l2norm=1, use_beta_sigmoid=1)  # fmt: skip
+
+
+def launch_like_tensorrt(name: str, inputs: dict, attrs: dict) -> dict[str, torch.Tensor]:
+    """Run plugin ``name``'s kernel with everything TensorRT would take from the plugin
+    definition: output buffers (NaN, never zeroed), grid, int32 scalars, constexprs."""
+    spec = qdp.SPECS[name]
+    shapes = {n: tuple(t.shape) for n, t in inputs.items()}
+    config = qdp.kernel_config(name, shapes, attrs, "float32")
+    outputs = {}
+    for out, shape in qdp.output_shapes(name, shapes).items():
+        like = spec.outputs[out].like
+        dtype = torch.float32 if like is None else inputs[like].dtype
+        outputs[out] = torch.full(shape, math.nan, dtype=dtype)
+    ints = dict(zip(spec.kernel.int_args, qdp.int_args(name, shapes)))
+    arguments = {**inputs, **ints, **outputs, **spec.kernel.constexprs(config),
+                 **dict.fromkeys(spec.kernel.absent)}  # fmt: skip
+    grid = qdp.launch_grid(name, shapes, config)
+    spec.kernel.kernel[grid](**arguments, num_warps=spec.kernel.warps(config))
+    return outputs
+
+
+def _delta_inputs(batch: int, length: int) -> dict[str, torch.Tensor]:
+    q, k = (torch.randn(batch, length, HEADS, HEAD_K) for _ in range(2))
+    return dict(
+        q=q, k=k, v=torch.randn(batch, length, HEADS, HEAD_V),
+        g=torch.randn(batch, length, HEADS, HEAD_K), beta=torch.randn(batch, length, HEADS),
+        A_log=torch.randn(HEADS), dt_bias=torch.randn(HEADS * HEAD_K),
+        state_in=torch.randn(batch, HEADS, HEAD_K, HEAD_V),
+    )  # fmt: skip
+
+
+def _delta_reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in")]
+    return reference.delta_rule(reference.recurrent_delta_rule, *args, None,
+                                DELTA_ATTRS["scale"], -5.0, True, True)  # fmt: skip
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want.to(got.dtype), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_recurrent_plugin_matches_reference(length):
+    inputs = _delta_inputs(2, length)
+    got = launch_like_tensorrt("recurrent", inputs, DELTA_ATTRS)
+    o, state = _delta_reference(inputs)
+    _close(got["o"], o)
+    _close(got["state_out"], state)
+
+
+@pytest.mark.parametrize("batch, length", [(2, 5), (1, 70)])
+def test_chunk_plugin_chain_matches_reference(batch, length):
+    """prepare -> recurrence, the six intermediates passed as plugin outputs / inputs;
+    T = 70 spans two chunks, the second one partial."""
+    inputs = _delta_inputs(batch, length)
+    state = inputs.pop("state_in")
+    prepared = launch_like_tensorrt("chunk_prepare", inputs, DELTA_ATTRS)
+    assert prepared["aqk"].shape[0] == batch * math.ceil(length / 64)
+    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+    got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
+                               {})  # fmt: skip
+    o, final = _delta_reference({**inputs, "state_in": state})
+    _close(got["o"], o)
+    _close(got["final_state"], final)
+
+
+def test_conv_plugin_chain_matches_reference():
+    x, state = torch.randn(2, 5, CHANNELS), torch.randn(2, CHANNELS, WIDTH - 1)
+    weight, bias = torch.randn(CHANNELS, WIDTH), torch.randn(CHANNELS)
+    conv_inputs = dict(x=x, weight=weight, bias=bias, state=state)
+    y = launch_like_tensorrt("causal_conv1d_output", conv_inputs, dict(silu=1))
+    final = launch_like_tensorrt("causal_conv1d_state", dict(x=x, state_in=state), {})
+    want_y, want_state = reference.causal_conv1d(x, weight, bias, state, None, "silu")
+    _close(y["y"], want_y)
+    _close(final["state_out"], want_state)
+
+
+def test_gated_rms_norm_and_gate_plugins_match_reference():
+    x, gate, weight = torch.randn(3, 5, 16), torch.randn(3, 5, 16), torch.randn(16)
+    y = launch_like_tensorrt("gated_rms_norm", dict(x=x, gate=gate, weight=weight),
+                             dict(eps=1e-6, silu=0))  # fmt: skip
+    _close(y["y"], reference.gated_rms_norm(x, gate, weight, 1e-6, "sigmoid"))
+    g, A_log, dt_bias = torch.randn(2, 3, HEADS, HEAD_K), torch.randn(HEADS), torch.randn(32)
+    out = launch_like_tensorrt("gate", dict(g=g, A_log=A_log, dt_bias=dt_bias),
+                               dict(lower_bound=-5.0, use_lower_bound=1))  # fmt: skip
+    _close(out["out"], reference.kda_gate(g, A_log, dt_bias, -5.0))
+
+
+class Dim:
+    """A symbolic dim with exactly TensorRT ``ShapeExpr``'s operators (``+ - * //`` with the
+    expression on the left; no reflected operators, no ``bool``), evaluated later."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def _op(self, other, op):
+        rhs = other.fn if isinstance(other, Dim) else (lambda env: other)
+        return Dim(lambda env: op(self.fn(env), rhs(env)))
+
+    def __add__(self, other):
+        return self._op(other, int.__add__)
+
+    def __sub__(self, other):
+        return self._op(other, int.__sub__)
+
+    def __mul__(self, other):
+        return self._op(other, int.__mul__)
+
+    def __floordiv__(self, other):
+        return self._op(other, int.__floordiv__)
+
+    def __bool__(self):
+        raise TypeError("a symbolic dim has no truth value")
+
+
+def _evaluate(value, env):
+    if isinstance(value, Dim):
+        return value.fn(env)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_evaluate(v, env) for v in value)
+    if isinstance(value, dict):
+        return {k: _evaluate(v, env) for k, v in value.items()}
+    return value
+
+
+PLUGIN_SHAPES = {  # input shapes with B, T symbolic ("B", "T") and the rest static
+    "recurrent": dict(q=("B", "T", 2, 16), k=("B", "T", 2, 16), v=("B", "T", 2, 16),
+                      g=("B", "T", 2, 16), beta=("B", "T", 2), A_log=(2,), dt_bias=(32,),
+                      state_in=("B", 2, 16, 16)),
+    "chunk_recurrence": dict(w=("B", "T", 2, 16), u=("B", "T", 2, 16), qg=("B", "T", 2, 16),
+                             kd=("B", "T", 2, 16), aqk=("B", 2, 64, 64), cum_g=("B", "T", 2, 16),
+                             initial_state=("B", 2, 16, 16)),
+    "causal_conv1d_output": dict(x=("B", "T", 8), weight=(8, 4), bias=(8,), state=("B", 8, 3)),
+    "causal_conv1d_state": dict(x=("B", "T", 8), state_in=("B", 8, 3)),
+    "gated_rms_norm": dict(x=("B", "T", 16), gate=("B", "T", 16), weight=(16,)),
+    "gate": dict(g=("B", "T", 2, 16), A_log=(2,), dt_bias=(32,)),
+}  # fmt: skip
+PLUGIN_SHAPES["chunk"] = PLUGIN_SHAPES["recurrent"]
+PLUGIN_SHAPES["chunk_prepare"] = {k: v for k, v in PLUGIN_SHAPES["recurrent"].items()
+                                  if k != "state_in"}  # fmt: skip
+PLUGIN_ATTRS = {"chunk_recurrence": {}, "causal_conv1d_output": dict(silu=1),
+                "causal_conv1d_state": {}, "gated_rms_norm": dict(eps=1e-6, silu=1),
+                "gate": dict(lower_bound=-5.0, use_lower_bound=1)}  # fmt: skip
+
+
+def _shapes(name, dims):
+    return {n: tuple(dims.get(d, d) for d in shape) for n, shape in PLUGIN_SHAPES[name].items()}
+
+
+@pytest.mark.parametrize("name", sorted(qdp.SPECS))
+def test_descriptor_logic_is_shape_expression_safe(name):
+    """Output shapes, grid and int32 scalars over symbolic B, T (ShapeExpr's operators
+    only) equal the same functions over concrete B, T."""
+    assert set(PLUGIN_SHAPES) == set(qdp.SPECS)
+    attrs = PLUGIN_ATTRS.get(name, DELTA_ATTRS)
+    symbolic = _shapes(name, {"B": Dim(lambda e: e["B"]), "T": Dim(lambda e: e["T"])})
+    static = {n: qdp.static_dims([d if isinstance(d, int) else 1 for d in s])
+              for n, s in symbolic.items()}  # fmt: skip
+    config = qdp.kernel_config(name, static, attrs, "float16")
+    for env in ({"B": 3, "T": 5}, {"B": 1, "T": 130}):
+        concrete = _shapes(name, env)
+        assert _evaluate(qdp.output_shapes(name, symbolic), env) == qdp.output_shapes(
+            name, concrete
+        )
+        assert _evaluate(qdp.launch_grid(name, symbolic, config), env) == qdp.launch_grid(
+            name, concrete, config
+        )
+        assert _evaluate(qdp.int_args(name, symbolic), env) == qdp.int_args(name, concrete)
+
+
+def test_chunk_prepare_grid_and_intermediates_match_launch_chunk_kda():
+    """The plugin's grid and Aqk shape are launch_chunk_kda's: B * ceil(T / 64) chunks."""
+    shapes = _shapes("chunk_prepare", {"B": 3, "T": 130})
+    config = qdp.kernel_config("chunk_prepare", shapes, DELTA_ATTRS, "bfloat16")
+    assert qdp.launch_grid("chunk_prepare", shapes, config) == (9, 2, 1)
+    assert qdp.output_shapes("chunk_prepare", shapes)["aqk"] == (9, 2, 64, 64)
+    assert qdp.SPECS["chunk_prepare"].kernel.constexprs(config)["SAFE_GATE"]
+    fp16 = qdp.kernel_config("chunk_prepare", shapes, DELTA_ATTRS, "float16")
+    assert not qdp.SPECS["chunk_prepare"].kernel.constexprs(fp16)["SAFE_GATE"]
+
+
+def test_autotune_types_keep_states_and_gate_parameters_float32():
+    model, fixed = "FP16|BF16|FP32", "FP32|FP32|FP32"
+    assert qdp.autotune_types("gate") == ", ".join([model, fixed, fixed, fixed])
+    recurrent = qdp.autotune_types("recurrent").split(", ")
+    assert recurrent == [model] * 5 + [fixed] * 3 + [model, fixed]
+
+
+def test_static_dims_keeps_ints():
+    assert qdp.static_dims((3, 16)) == (3, 16)
+
+
+def test_attributes_match_the_onnx_plugin_node_attributes():
+    from lowering import onnx as kda_onnx
+
+    for name in ("recurrent", "chunk", "causal_conv1d_output", "causal_conv1d_state",
+                 "gated_rms_norm", "gate"):  # fmt: skip
+        assert list(qdp.SPECS[name].attributes) == kda_onnx.PLUGIN_OPS[name]["attributes"]
+
+
+def test_register_plugins_with_tensorrt():
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it cannot be here)")
+    import tensorrt.plugin as trtp
+
+    assert qdp.register_plugins() == tuple(f"kda::{n}" for n in qdp.SPECS)
+    for name in qdp.SPECS:
+        assert hasattr(trtp.op.kda, name)
+
+
+OP_CALLS = {  # arguments of a convertible call of each functional kda op
+    "recurrent": dict(cu_seqlens=None, scale=0.25, lower_bound=-5.0, use_qk_l2norm=True,
+                      use_beta_sigmoid=False),
+    "causal_conv1d": dict(cu_seqlens=None, activation="silu"),
+    "gated_rms_norm": dict(eps=1e-6, activation="sigmoid"),
+    "gate": dict(lower_bound=None),
+}  # fmt: skip
+OP_CALLS["chunk"] = OP_CALLS["recurrent"]
+
+
+@pytest.mark.parametrize("op", sorted(qdp.OP_OUTPUTS))
+def test_torch_op_plugin_chain_is_wired(op):
+    """Each plugin gets its kernel's inputs in order, from op arguments or earlier plugin
+    outputs, and exactly its attributes; the op's outputs come from the chain."""
+    schema = getattr(torch.ops.kda, op).default._schema
+    names = [a.name for a in schema.arguments]
+    bound = qdp.bind_arguments(schema, [], {**dict.fromkeys(names, "tensor"), **OP_CALLS[op]})
+    assert qdp.convertible(bound)
+    available = set(names)
+    for plugin, sources, attrs in qdp.plugin_chain(op, bound):
+        assert tuple(sources) == qdp.SPECS[plugin].kernel.inputs
+        assert set(sources.values()) <= available
+        assert list(attrs) == list(qdp.SPECS[plugin].attributes)
+        available |= {f"{plugin}.{out}" for out in qdp.SPECS[plugin].outputs}
+    assert set(qdp.OP_OUTPUTS[op]) <= available
+    assert len(qdp.OP_OUTPUTS[op]) == len(schema.returns)
+
+
+def test_calls_with_absent_optionals_or_packed_sequences_stay_in_pytorch():
+    schema = torch.ops.kda.recurrent.default._schema
+    full = {a.name: "tensor" for a in schema.arguments}
+    assert not qdp.convertible(qdp.bind_arguments(schema, [], {**full, "initial_state": None}))
+    assert not qdp.convertible(qdp.bind_arguments(schema, [], full))  # cu_seqlens given
+    attrs = qdp.delta_attributes({**OP_CALLS["recurrent"], "lower_bound": None})
+    assert attrs["use_lower_bound"] == 0 and attrs["use_qk_l2norm"] == 1
+
+
+def test_register_torch_tensorrt_converters():
+    pytest.importorskip("torch_tensorrt", reason="Torch-TensorRT is not installed (TensorRT "
+                        "cannot be installed here)")  # fmt: skip
+    from torch_tensorrt.dynamo.conversion import DYNAMO_CONVERTERS
+
+    assert qdp.register_torch_tensorrt_converters() == tuple(qdp.OP_OUTPUTS)
+    for op in qdp.OP_OUTPUTS:
+        assert getattr(torch.ops.kda, op).default in DYNAMO_CONVERTERS
+
+
+def test_export_tensorrt_example_exits_clearly_without_tensorrt(tmp_path):
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed: the engine test below runs instead")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "examples.export_tensorrt", str(tmp_path)],
+                            cwd=root, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert "`tensorrt` is not importable" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_decode_engine_builds_from_plugin_onnx(tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it cannot be here)")
+    if not torch.cuda.is_available():
+        pytest.skip("building the AOT plugins' engine needs an sm_90 GPU")
+    from examples import export_onnx, export_tensorrt
+    from examples.hybrid_model import HybridConfig, HybridLM
+
+    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    files = export_onnx.export_hybrid(model, tmp_path, modes=("plugin",))
+    assert export_tensorrt.build_from_onnx(files["decode", "plugin"], "decode")
