@@ -109,6 +109,12 @@ class AffineSegments:
         out = self.base_output.to(incoming.dtype) + correction
         return out.to(self.base_output.dtype)
 
+    def first_output(self, incoming: Tensor, length: int) -> Tensor:
+        """The output ``[1, T, HV, V]`` of a varlen batch whose first sequence (its first
+        ``length`` tokens) receives ``incoming`` ``[1, HV, K, V]`` and the others nothing."""
+        head = AffineSegments(self.base_output[:, :length], self.readout[:, :length], self.packed)
+        return torch.cat([head.output(incoming), self.base_output[:, length:]], dim=1)
+
 
 def segment_maps(
     q: Tensor,

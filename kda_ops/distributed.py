@@ -19,19 +19,45 @@ rank runs the reverse scan ``Λ_i = G_i + M_iᵀ Λ_{i+1}`` to get the gradient 
 
 Every rank must call these functions in the same order, and, when training, run backward
 through all of their outputs (the backward passes are collectives too). Works with any
-backend that has ``all_gather`` (NCCL, gloo). Varlen (``cu_seqlens``) is not supported
-yet: split packed sequences so each rank holds whole sequences, or use fixed lengths.
+backend that has ``all_gather`` (NCCL, gloo).
+
+Varlen (``cu_seqlens``): the global packed batch (``B = 1``, ``T = Σ T_r`` tokens) is split
+into contiguous shards, rank r holding tokens ``[Σ_{j<r} T_j, Σ_{j≤r} T_j)``; every rank
+passes the *global* ``cu_seqlens`` ``[N + 1]`` (strictly increasing: no empty sequences)
+and the global initial states ``[N, ...]``, exactly what one process would give
+``chunk_kda`` / ``causal_conv1d``. The shard offsets come from one all-gather of the local
+lengths. A rank's shard is cut into local pieces (:func:`shard_sequences`); sequences
+wholly inside it run as usual, and only the sequence that crosses a rank boundary is
+composed: each rank's LAST piece's map is exchanged, masked to zero where it does not feed
+the next rank (the next rank starts a new sequence; ``M`` also where the rank holds more
+than one piece, since then its last piece starts from the sequence's own initial state),
+so the same prefix scan over the ranks chains only through ranks whose whole shard is one
+piece of the crossing sequence, and gives each rank the exact state entering its FIRST
+piece (zero where a sequence starts exactly at the shard start). Each rank returns the
+final states of the sequences that end on it. The conv halo applies only where the
+first token continues a sequence, and carries that sequence's initial conv state when it
+began fewer than ``W - 1`` tokens before the boundary.
 """
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kda_ops.affine import prefix_adjoints, prefix_states, resolve_config, segment_maps
+from kda_ops.affine import (
+    AffineSegments,
+    apply_map,
+    prefix_adjoints,
+    prefix_states,
+    resolve_config,
+    segment_maps,
+)
 from kda_ops.conv import causal_conv1d
 from kda_ops.validation import ArgumentChecker
 
@@ -43,6 +69,79 @@ def all_gather_stacked(x: Tensor, group: Group) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.stack(parts)
+
+
+@dataclass(frozen=True)
+class ShardSequences:
+    """The local pieces of the global packed sequences on one rank's shard.
+
+    cu_seqlens: local offsets ``[0, ..., T_r]`` of the ``n`` pieces.
+    first: global index of the sequence the first piece belongs to (piece ``i`` belongs to
+        sequence ``first + i``).
+    continues_in: the first piece continues a sequence begun on an earlier rank.
+    continues_out: the last piece continues on the next rank.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    first: int
+    continues_in: bool
+    continues_out: bool
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def ending(self) -> range:
+        """Global indices of the sequences that end on this rank (their final states)."""
+        return range(self.first, self.first + self.num_pieces - self.continues_out)
+
+
+def shard_sequences(cu_seqlens: list[int], start: int, stop: int) -> ShardSequences:
+    """The pieces of tokens ``[start, stop)`` of a packed batch with global offsets
+    ``cu_seqlens`` (strictly increasing, ``cu_seqlens[0] <= start < stop <= cu_seqlens[-1]``)."""
+    first = bisect.bisect_right(cu_seqlens, start) - 1
+    last = bisect.bisect_left(cu_seqlens, stop) - 1  # the sequence holding token stop - 1
+    inner = (offset - start for offset in cu_seqlens[first + 1 : last + 1])
+    return ShardSequences(
+        cu_seqlens=(0, *inner, stop - start),
+        first=first,
+        continues_in=cu_seqlens[first] < start,
+        continues_out=cu_seqlens[last + 1] > stop,
+    )
+
+
+def _shard(check: ArgumentChecker, cu_seqlens: object, x: Tensor, group: Group) -> ShardSequences:
+    """Checks the global ``cu_seqlens`` against x ``[1, T_r, ...]`` on every rank (one
+    all-gather of the local lengths) and returns this rank's pieces."""
+    seqlens = check.cu_seqlens(cu_seqlens, x.shape[0])
+    lengths = all_gather_stacked(torch.tensor([x.shape[1]], device=x.device), group)
+    lengths = lengths.flatten().tolist()
+    if min(lengths) < 1:
+        check.fail(ValueError, f"every rank needs at least one token, got lengths {lengths}")
+    bounds = seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != sum(lengths) or any(b <= a for a, b in pairwise(bounds)):
+        check.fail(
+            ValueError,
+            f"`cu_seqlens` must be the global offsets: strictly increasing from 0 to the "
+            f"total length {sum(lengths)} of the ranks' shards {lengths}, got {bounds}",
+        )
+    start = sum(lengths[: dist.get_rank(group)])
+    return shard_sequences(bounds, start, start + x.shape[1])
+
+
+def _piece_starts(initial_state: Tensor, shard: ShardSequences) -> Tensor:
+    """The rows ``[n, ...]`` of the global ``initial_state`` ``[N, ...]`` for this rank's
+    pieces; zero for a first piece that continues a sequence (its start lies elsewhere)."""
+    rows = initial_state[shard.first : shard.first + shard.num_pieces]
+    if shard.continues_in:
+        rows = torch.cat([torch.zeros_like(rows[:1]), rows[1:]])
+    return rows
+
+
+def _local_offsets(shard: ShardSequences, cu_seqlens: Tensor) -> Tensor:
+    """The pieces' offsets as a tensor like the global ``cu_seqlens``."""
+    return torch.tensor(shard.cu_seqlens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
 
 
 class _IncomingState(torch.autograd.Function):
@@ -64,30 +163,24 @@ class _IncomingState(torch.autograd.Function):
 
 
 class _Halo(torch.autograd.Function):
-    """tail ``[B, D, W - 1]`` of this rank -> the tail of the rank before (rank 0: ``start``)."""
+    """tail ``[B, D, W - 1]`` of this rank -> the tail of the rank before if ``receive``
+    (its first token continues the sequence there), else ``start``. ``send``: the next
+    rank receives this rank's tail (so it sends back the tail's gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, tail: Tensor, start: Tensor, group: Group) -> Tensor:
+    def forward(
+        ctx: Any, tail: Tensor, start: Tensor, receive: bool, send: bool, group: Group
+    ) -> Tensor:
         rank = dist.get_rank(group)
         tails = all_gather_stacked(tail.detach(), group)
-        ctx.rank, ctx.world, ctx.group = rank, tails.shape[0], group
-        return start.clone() if rank == 0 else tails[rank - 1].to(start.dtype)
+        ctx.rank, ctx.receive, ctx.send, ctx.group = rank, receive, send, group
+        return tails[rank - 1].to(start.dtype) if receive else start.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Optional[Tensor], None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Optional[Tensor], None, None, None]:
         grads = all_gather_stacked(grad, ctx.group)
-        next_rank = ctx.rank + 1
-        grad_tail = grads[next_rank] if next_rank < ctx.world else torch.zeros_like(grad)
-        return grad_tail, grad if ctx.rank == 0 else None, None
-
-
-def _check_fixed_length(function: str, cu_seqlens: object) -> None:
-    if cu_seqlens is not None:
-        ArgumentChecker(function).fail(
-            ValueError,
-            "`cu_seqlens` (varlen) is not supported across ranks; give each rank whole "
-            "packed sequences and call chunk_kda, or use fixed-length batches",
-        )
+        grad_tail = grads[ctx.rank + 1] if ctx.send else torch.zeros_like(grad)
+        return grad_tail, None if ctx.receive else grad, None, None, None
 
 
 def chunk_kda_cp(
@@ -111,25 +204,68 @@ def chunk_kda_cp(
     """:func:`kda_ops.chunk_kda` on this rank's segment of sequences split across ``group``.
 
     Arguments as for ``chunk_kda``, with q, k, v, g, beta this rank's tokens
-    ``[B, T_r, ...]``. ``initial_state`` ``[B, HV, K, V]`` is the state before the whole
-    sequence; only rank 0 reads it. Returns this rank's outputs ``[B, T_r, HV, V]`` and, with
-    ``output_final_state``, the exact state after this rank's last token (the sequence's
-    final state on the last rank). ``cu_seqlens`` raises ``ValueError`` (not supported).
+    ``[B, T_r, ...]``. Fixed length: ``initial_state`` ``[B, HV, K, V]`` is the state before
+    the whole sequence; only rank 0 reads it. Returns this rank's outputs ``[B, T_r, HV, V]``
+    and, with ``output_final_state``, the exact state after this rank's last token (the
+    sequence's final state on the last rank).
+
+    Varlen: ``B = 1`` and ``cu_seqlens`` int ``[N + 1]`` the *global* offsets of the packed
+    batch split over the ranks in rank order; ``initial_state`` ``[N, HV, K, V]`` global
+    too (each rank reads the rows of the sequences starting on it). The final state is
+    ``[n_r, HV, K, V]``: the final states of the sequences ending on this rank, global
+    indices ``shard_sequences(...).ending``.
     """
     function = "chunk_kda_cp"
-    _check_fixed_length(function, cu_seqlens)
-    rank = dist.get_rank(group)
-    start = initial_state if rank == 0 else None
-    config = resolve_config(
-        function, q, k, v, g, beta, scale=scale, initial_state=start,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+    options = dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
     )  # fmt: skip
-    maps = segment_maps(q, k, v, g, beta, config, start=start)
-    incoming = _IncomingState.apply(maps.packed, maps.head_v, group)
-    o = maps.output(incoming)
-    return o, maps.end_state(incoming) if output_final_state else None
+    if cu_seqlens is None:
+        start = initial_state if dist.get_rank(group) == 0 else None
+        config = resolve_config(function, q, k, v, g, beta, initial_state=start, **options)
+        maps = segment_maps(q, k, v, g, beta, config, start=start)
+        incoming = _IncomingState.apply(maps.packed, maps.head_v, group)
+        o, final_state = maps.output(incoming), maps.end_state(incoming)
+    else:
+        o, final_state = _chunk_kda_cp_varlen(
+            function, (q, k, v, g, beta), initial_state, cu_seqlens, group, options
+        )
+    return o, final_state if output_final_state else None
+
+
+def _chunk_kda_cp_varlen(
+    function: str,
+    tensors: tuple[Tensor, ...],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Tensor,
+    group: Group,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor]:
+    """Varlen :func:`chunk_kda_cp`: ``(o [1, T_r, HV, V], final states [n_r, HV, K, V])``."""
+    # the global layout: cu_seqlens [N + 1], initial_state [N, HV, K, V]
+    config = resolve_config(
+        function, *tensors, initial_state=initial_state, cu_seqlens=cu_seqlens, **options
+    )
+    shard = _shard(ArgumentChecker(function), cu_seqlens, tensors[0], group)
+    start = None if initial_state is None else _piece_starts(initial_state, shard)
+    local_cu = _local_offsets(shard, cu_seqlens)
+    maps = segment_maps(*tensors, config, start=start, cu_seqlens=local_cu)
+    incoming = _IncomingState.apply(_outgoing_map(maps, shard), maps.head_v, group)
+    o = maps.first_output(incoming, shard.cu_seqlens[1])
+    first_end = apply_map(maps.packed[:1], incoming)
+    ends = torch.cat([first_end, maps.packed[1:, ..., : maps.head_v]])
+    return o, ends[: len(shard.ending)]
+
+
+def _outgoing_map(maps: AffineSegments, shard: ShardSequences) -> Tensor:
+    """The map ``[1, HV, K, V + K]`` of the last piece as the next rank's composition sees
+    it: zero unless the piece continues there, and ``M`` zero unless the piece is the whole
+    shard (else it starts from its sequence's own initial state, already in ``E``)."""
+    end, transition = maps.packed[-1:].split([maps.head_v, maps.packed.shape[-1] - maps.head_v], -1)
+    keep_transition = shard.continues_out and shard.num_pieces == 1
+    return torch.cat([end * shard.continues_out, transition * keep_transition], dim=-1)
 
 
 def causal_conv1d_cp(
@@ -144,13 +280,14 @@ def causal_conv1d_cp(
     """:func:`kda_ops.causal_conv1d` on this rank's segment, with the previous rank's last
     ``W - 1`` inputs as the halo.
 
-    x ``[B, T_r, D]`` with ``T_r >= W - 1`` on every rank; weight ``[D, W]``; bias ``[D]``;
-    ``initial_state`` ``[B, D, W - 1]``: the inputs before the sequence, read on rank 0 only.
-    Returns this rank's ``y`` ``[B, T_r, D]`` and the conv state after its last token.
+    x ``[B, T_r, D]`` with ``T_r >= W - 1`` on every rank; weight ``[D, W]``; bias ``[D]``.
+    Fixed length: ``initial_state`` ``[B, D, W - 1]``, the inputs before the sequence, read
+    on rank 0 only; returns this rank's ``y`` ``[B, T_r, D]`` and the conv state after its
+    last token. Varlen (``B = 1``, global ``cu_seqlens`` ``[N + 1]`` as for
+    :func:`chunk_kda_cp`): ``initial_state`` ``[N, D, W - 1]`` global; returns ``y`` and the
+    final conv states ``[n_r, D, W - 1]`` of the sequences ending on this rank.
     """
-    function = "causal_conv1d_cp"
-    _check_fixed_length(function, cu_seqlens)
-    check = ArgumentChecker(function)
+    check = ArgumentChecker("causal_conv1d_cp")
     x = check.tensor("x", x, dims=3)
     weight = check.tensor("weight", weight, dims=2)
     history = weight.shape[1] - 1
@@ -159,9 +296,44 @@ def causal_conv1d_cp(
             ValueError,
             f"every rank needs at least W - 1 = {history} tokens of `x`, got T = {x.shape[1]}",
         )
-    start = initial_state if dist.get_rank(group) == 0 else None
+    if cu_seqlens is not None:
+        return _causal_conv1d_cp_varlen(
+            check, x, weight, bias, initial_state, activation, cu_seqlens, group
+        )
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    start = initial_state if rank == 0 else None
     if start is None:
         start = x.new_zeros(x.shape[0], x.shape[2], history)
     tail = x[:, x.shape[1] - history :].transpose(1, 2)
-    halo = _Halo.apply(tail, start, group)
+    halo = _Halo.apply(tail, start, rank > 0, rank < world - 1, group)
     return causal_conv1d(x, weight, bias, halo, activation)
+
+
+def _causal_conv1d_cp_varlen(
+    check: ArgumentChecker,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    activation: Optional[str],
+    cu_seqlens: Tensor,
+    group: Group,
+) -> tuple[Tensor, Tensor]:
+    """Varlen :func:`causal_conv1d_cp`: ``(y [1, T_r, D], final states [n_r, D, W - 1])``."""
+    shard = _shard(check, cu_seqlens, x, group)
+    history = weight.shape[1] - 1
+    if initial_state is None:
+        initial_state = x.new_zeros(cu_seqlens.shape[0] - 1, x.shape[2], history)
+    expected = (cu_seqlens.shape[0] - 1, x.shape[2], history)
+    check.shape("initial_state", check.tensor("initial_state", initial_state, dims=3), expected,
+                "(N, D, W - 1)")  # fmt: skip
+    starts = _piece_starts(initial_state, shard)  # [n, D, W - 1]
+    # The inputs before the last piece's end: its own start state, then its tokens (a piece
+    # that is the whole shard has >= W - 1 tokens, so its zero start never shows).
+    last_piece = x[0, shard.cu_seqlens[-2] :].T.to(starts.dtype)
+    tail = torch.cat([starts[-1], last_piece], dim=-1)
+    tail = tail[:, tail.shape[-1] - history :].unsqueeze(0)
+    halo = _Halo.apply(tail, starts[:1], shard.continues_in, shard.continues_out, group)
+    local_cu = _local_offsets(shard, cu_seqlens)
+    y, final = causal_conv1d(x, weight, bias, torch.cat([halo, starts[1:]]), activation, local_cu)
+    return y, final[: len(shard.ending)]
