@@ -6,7 +6,12 @@ Importing this package registers the ``torch.ops.kda`` ops (needed before
 
 from kda_ops import speculative  # registers kda::verify and kda::commit_
 from kda_ops.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_update_inplace
-from kda_ops.delta_rule import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
+from kda_ops.delta_rule import (
+    chunk_kda,
+    chunk_offsets,
+    fused_recurrent_kda,
+    fused_recurrent_kda_inplace,
+)
 from kda_ops.gate import kda_gate
 from kda_ops.gated_norm import gated_rms_norm
 from kda_ops.segmented import chunk_kda_segmented
@@ -19,6 +24,7 @@ __all__ = [
     "causal_conv1d_update_inplace",
     "chunk_kda",
     "chunk_kda_segmented",
+    "chunk_offsets",
     "fused_recurrent_kda",
     "fused_recurrent_kda_inplace",
     "gated_rms_norm",

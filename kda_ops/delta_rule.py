@@ -4,6 +4,8 @@ Ops (schemas are inferred from the annotations below):
 
 - ``kda::chunk`` / ``kda::recurrent``: functional, ``(o, final_state)``; chunkwise and
   token-recurrent kernels of the same math.
+- ``kda::chunk_states``: ``kda::chunk`` plus the state at the start of every 64-token chunk
+  (prefix-cache snapshots), ``(o, final_state, chunk_states)``; inference only.
 - ``kda::recurrent_``: in-place serving flavour; reads and writes a state pool at
   ``state_indices`` (for CUDA-graph decode).
 - ``kda::delta_rule_backward``: the gradients of both functional ops.
@@ -15,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import kernels, reference
-from kda_ops.validation import MAX_HEAD_DIM, ArgumentChecker, check_delta_rule
+from kda_ops.validation import INDEX_DTYPES, MAX_HEAD_DIM, ArgumentChecker, check_delta_rule
 
 SAFE_GATE_MIN_LOWER_BOUND = -5.0
 
@@ -133,6 +135,59 @@ for _op in (chunk_op, recurrent_op):
     _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
+def _chunk_state_rows(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+    """Rows of ``kda::chunk_states``' third output (SymInt-safe)."""
+    n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return reference.chunk_state_rows(q.shape[0], q.shape[1], n_seqs)
+
+
+def chunk_states_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``kda::chunk`` that also returns the state at the start of every 64-token chunk.
+
+    Returns o, the final state and chunk states ``[R, HV, K, V]`` (the final state's
+    dtype: float32, float64 for float64 inputs). Fixed length: ``R = B * NT`` with
+    ``NT = ceil(T / 64)``, row ``b * NT + c`` is sequence b before token ``64 c``. Packed
+    sequences: ``R = T // 64 + N`` (an upper bound, so the shape needs no sequence
+    lengths); sequence n owns rows ``chunk_offsets(cu_seqlens)[n] ...[n + 1]``; the rows
+    past ``chunk_offsets[N]`` are zero. Inference only: no autograd formula.
+    """
+    o, final, starts = reference.delta_rule(
+        reference.chunk_delta_rule_with_states, q, k, v, g, beta, A_log, dt_bias,
+        initial_state, cu_seqlens, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
+    chunk_states = final.new_zeros(_chunk_state_rows(q, cu_seqlens), *final.shape[1:])
+    starts = starts.flatten(0, 1)
+    chunk_states[: starts.shape[0]] = starts
+    return o, final, chunk_states
+
+
+chunk_states_op = torch.library.custom_op("kda::chunk_states", mutates_args=())(
+    chunk_states_reference
+)
+
+
+@chunk_states_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
+    return o, final, final.new_empty(_chunk_state_rows(q, cu_seqlens), *final.shape[1:])
+
+
 def recurrent_inplace_reference(
     q: Tensor,
     k: Tensor,
@@ -210,6 +265,20 @@ if kernels.AVAILABLE:
             return chunk_reference(*args, *config)
         return launch_chunk_kda(*args, *config)
 
+    @chunk_states_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        if q.dtype == torch.float64:
+            return chunk_states_reference(*args, *config)
+        shape = (_chunk_state_rows(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
+        # Packed sequences leave rows past the last chunk unwritten: zero them.
+        alloc = torch.empty if cu_seqlens is None else torch.zeros
+        chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
+        o, final = launch_chunk_kda(*args, *config, chunk_states=chunk_states)
+        return o, final, chunk_states
+
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
           use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
@@ -278,7 +347,8 @@ def chunk_kda(
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
     safe_gate: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
+    return_intermediate_states: bool = False,
+) -> tuple[Tensor, Optional[Tensor]] | tuple[Tensor, Optional[Tensor], Tensor]:
     """Chunkwise KDA / Gated DeltaNet (prefill and training), like ``fla.ops.kda.chunk_kda``.
 
     Args:
@@ -299,22 +369,73 @@ def chunk_kda(
         lower_bound: negative lower bound of the safe gate (Kimi K3 uses -5).
         cu_seqlens: int32/int64 ``[N + 1]`` packed-sequence offsets; needs ``B == 1``.
         safe_gate: FLA's hint that ``lower_bound`` lies in [-5, 0); checked, else unused.
+        return_intermediate_states: also return h, the state at the start of every chunk
+            of 64 tokens (FLA's option; inference only: no input may require grad while
+            grad mode is on).
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,
-        float64 for float64 inputs) or ``None``.
+        float64 for float64 inputs) or ``None``. With ``return_intermediate_states``, a
+        third value h in the state dtype: ``[B, NT, HV, K, V]`` with ``NT = ceil(T / 64)``
+        and ``h[b, c]`` the state of sequence b before token ``64 c`` (``h[:, 0]`` is the
+        initial state); with ``cu_seqlens``, ``[1, T // 64 + N, HV, K, V]`` where sequence
+        n's chunks are rows ``chunk_offsets(cu_seqlens)[n]`` to ``[n + 1]`` (exclusive)
+        and the rows from ``chunk_offsets(cu_seqlens)[N]`` on are zero (the row count is
+        an upper bound, so no host sync is needed).
     """
     check_delta_rule(
         "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
     )  # fmt: skip
     gate = _gate_args("chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
-    o, final_state = chunk_op(
+    args = (
         q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
         _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
-    return o, final_state if output_final_state else None
+    if not _check_return_intermediate_states(return_intermediate_states, args[:8]):
+        o, final_state = chunk_op(*args)
+        return o, final_state if output_final_state else None
+    o, final_state, chunk_states = chunk_states_op(*args)
+    if cu_seqlens is None:
+        h = chunk_states.unflatten(0, (q.shape[0], chunk_states.shape[0] // q.shape[0]))
+    else:
+        h = chunk_states.unsqueeze(0)
+    return o, final_state if output_final_state else None, h
+
+
+def _check_return_intermediate_states(flag: object, inputs: tuple[Optional[Tensor], ...]) -> bool:
+    """Validates ``return_intermediate_states`` of :func:`chunk_kda`; returns it."""
+    check = ArgumentChecker("chunk_kda")
+    if not isinstance(flag, bool):
+        got = type(flag).__name__
+        check.fail(TypeError, f"`return_intermediate_states` must be a bool, got {got}")
+    if flag and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        check.fail(
+            ValueError,
+            "`return_intermediate_states=True` is inference only (kda::chunk_states has no "
+            "backward), but an input requires grad: call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached inputs",
+        )
+    return flag
+
+
+def chunk_offsets(cu_seqlens: Tensor) -> Tensor:
+    """Rows of each packed sequence in ``chunk_kda(..., cu_seqlens=cu_seqlens,
+    return_intermediate_states=True)``'s h (and ``kda::chunk_states``' third output).
+
+    Args:
+        cu_seqlens: int32/int64 ``[N + 1]`` packed-sequence offsets.
+
+    Returns:
+        int32 ``[N + 1]`` on cu_seqlens' device: sequence n's ``ceil(len_n / 64)`` chunk
+        states are rows ``out[n]`` to ``out[n + 1]`` (exclusive); ``out[N]`` rows are used
+        in all. Computed on the device, no host sync.
+    """
+    seqlens = ArgumentChecker("chunk_offsets").tensor(
+        "cu_seqlens", cu_seqlens, dims=1, dtypes=INDEX_DTYPES
+    )
+    return reference.chunk_offsets(seqlens)
 
 
 def fused_recurrent_kda(
@@ -401,6 +522,7 @@ def fused_recurrent_kda_inplace(
 __all__ = [
     "MAX_HEAD_DIM",
     "chunk_kda",
+    "chunk_offsets",
     "fused_recurrent_kda",
     "fused_recurrent_kda_inplace",
 ]

@@ -129,7 +129,47 @@ def chunk_delta_rule(
     state: Tensor,
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor]:
-    """Chunkwise (UT/WY) form of :func:`recurrent_delta_rule`, same arguments and result.
+    """Chunkwise (UT/WY) form of :func:`recurrent_delta_rule`, same arguments and result
+    (the algorithm is described in :func:`_chunk_delta_rule`)."""
+    o, state, _ = _chunk_delta_rule(q, k, v, g, beta, scale, state, chunk_size, False)
+    return o, state
+
+
+def chunk_delta_rule_with_states(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    state: Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunk_delta_rule` plus the state at the start of every chunk.
+
+    Returns o, the final state and chunk states ``[B, NT, HV, K, V]`` with
+    ``NT = ceil(T / chunk_size)``: ``[:, c]`` is the state before token ``c * chunk_size``
+    (``[:, 0]`` is the initial state), what a prefix cache stores at chunk boundaries.
+    """
+    o, state, starts = _chunk_delta_rule(q, k, v, g, beta, scale, state, chunk_size, True)
+    if not starts:
+        return o, state, state.new_empty(state.shape[0], 0, *state.shape[1:])
+    return o, state, torch.stack(starts, dim=1)
+
+
+def _chunk_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    state: Tensor,
+    chunk_size: int,
+    keep_chunk_states: bool,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Chunkwise (UT/WY) recurrence; returns o, the final state and, with
+    ``keep_chunk_states``, the list of the states at each chunk start (else empty).
 
     Inside a chunk of C tokens with in-chunk cumulative log-decay G (so Γ = exp(G)) the
     rank-1 updates collapse to ``u = T (diag(β) V - diag(β) (K ⊙ Γ) S)`` with
@@ -140,7 +180,7 @@ def chunk_delta_rule(
     """
     length = q.shape[1]
     if length == 0:
-        return torch.zeros_like(v), state
+        return torch.zeros_like(v), state, []
     pad = -length % chunk_size
     # Padding tokens have k = v = beta = 0 and no decay: they leave the state untouched.
     q, k, v, g, beta = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta))
@@ -168,16 +208,20 @@ def chunk_delta_rule(
     qk = qk * causal
     k_to_end = k * (cum_g[..., -1:, :] - cum_g).exp()
 
-    outputs = []
+    outputs, starts = [], []
     for c in range(q.shape[2]):
+        if keep_chunk_states:
+            starts.append(state)
         u = u_base[:, :, c] - w[:, :, c] @ state
         outputs.append((q[:, :, c] * cum_g[:, :, c].exp()) @ state + qk[:, :, c] @ u)
         state = cum_g[:, :, c, -1].exp().unsqueeze(-1) * state + k_to_end[:, :, c].mT @ u
     o = torch.stack(outputs, dim=2).flatten(2, 3).transpose(1, 2)
-    return o[:, :length], state
+    return o[:, :length], state, starts
 
 
-DeltaRuleForm = Callable[..., tuple[Tensor, Tensor]]
+DeltaRuleForm = Callable[..., tuple[Tensor, ...]]
+"""A form ``(q, k, v, g, beta, scale, state) -> (o, final_state, *per_chunk)`` on prepared
+inputs; extra outputs are per-chunk tensors ``[B, NT, ...]``."""
 
 
 def delta_rule(
@@ -195,11 +239,14 @@ def delta_rule(
     lower_bound: float | None,
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """KDA / Gated DeltaNet on raw inputs with ``form`` = chunk or recurrent.
 
     Returns o ``[B, T, HV, V]`` in v's dtype and the final state ``[N, HV, K, V]`` in the
-    compute dtype.
+    compute dtype, then any extra per-chunk outputs of ``form`` (e.g. the chunk states of
+    :func:`chunk_delta_rule_with_states`, ``[B, NT, ...]``); with ``cu_seqlens`` these are
+    ``[1, sum_n NT_n, ...]``, sequence by sequence in order (sequence n from row
+    ``chunk_offsets(cu_seqlens)[n]``).
     """
     q, k, v_c, g, beta = prepare_delta_rule_inputs(
         q, k, v, g, beta, A_log, dt_bias, lower_bound, use_qk_l2norm, use_beta_sigmoid
@@ -211,16 +258,36 @@ def delta_rule(
     else:
         state = initial_state.to(q.dtype, copy=True)
     if cu_seqlens is None:
-        o, state = form(q, k, v_c, g, beta, scale, state)
-        return o.to(v.dtype).contiguous(), state
-    outputs, states = [], []
+        o, *states = form(q, k, v_c, g, beta, scale, state)
+        return o.to(v.dtype).contiguous(), *states
+    results = []
     bounds = cu_seqlens.tolist()
     for n, (start, end) in enumerate(itertools.pairwise(bounds)):
         seq = (x[:, start:end] for x in (q, k, v_c, g, beta))
-        o, final = form(*seq, scale, state[n : n + 1])
-        outputs.append(o)
-        states.append(final)
-    return torch.cat(outputs, dim=1).to(v.dtype).contiguous(), torch.cat(states)
+        results.append(form(*seq, scale, state[n : n + 1]))
+    outputs, finals, *per_chunk = zip(*results)
+    o = torch.cat(outputs, dim=1).to(v.dtype).contiguous()
+    return o, torch.cat(finals), *(torch.cat(parts, dim=1) for parts in per_chunk)
+
+
+def chunk_offsets(cu_seqlens: Tensor, chunk_size: int = CHUNK_SIZE) -> Tensor:
+    """int32 ``[N + 1]``: where each packed sequence's chunks start when the chunks of all
+    sequences are numbered in order (sequence n has ``ceil(len_n / chunk_size)`` chunks,
+    rows ``[out[n], out[n + 1])``; ``out[N]`` is the total). On cu_seqlens' device, no
+    host sync."""
+    per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1) // chunk_size
+    return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
+
+
+def chunk_state_rows(
+    batch: int, length: int, n_seqs: int | None, chunk_size: int = CHUNK_SIZE
+) -> int:
+    """Rows of the chunk-state buffer: ``B * ceil(T / C)`` for fixed length; with packed
+    sequences (``n_seqs`` given, B == 1) the upper bound ``T // C + N``, which needs no
+    sequence lengths (``sum_n ceil(len_n / C) <= T // C + N``). Works on SymInts."""
+    if n_seqs is None:
+        return batch * ((length + chunk_size - 1) // chunk_size)
+    return length // chunk_size + n_seqs
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float, activation: str) -> Tensor:

@@ -254,7 +254,7 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
     block_k, block_v, precision = _chunk_blocks(config)
     return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"], BK=block_k,
                 BV=min(block_v, 32), HAS_INITIAL_STATE=True, IS_VARLEN=False,
-                DOT_PRECISION=precision)  # fmt: skip
+                DOT_PRECISION=precision, STORE_CHUNK_STATES=False)  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:
@@ -285,7 +285,7 @@ PLUGINS: dict[str, PluginKernel] = {
         inputs=(*CHUNK_INTERMEDIATES[1:], "cum_g", "initial_state"),
         int_args={"length": lambda s: s["u"][1]},
         outputs=("o", "final_state"),
-        absent=("cu_seqlens", "chunk_offsets"),
+        absent=("cu_seqlens", "chunk_offsets", "chunk_states"),
         constexprs=_chunk_recurrence_constexprs,
         grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["u"][0] * c["HV"], 1),
         float32_params=("cum_g", "initial_state", "final_state"),

@@ -8,8 +8,9 @@
    ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
 2. ``chunk_recurrence_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks with the fp32 state S in registers: ``v_new = u - w S``,
-   ``o = qg S + Aqk v_new``, ``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are never
-   written to memory.
+   ``o = qg S + Aqk v_new``, ``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are written
+   to memory only when asked (``STORE_CHUNK_STATES``: the state at each chunk start, what
+   a prefix cache stores, ``[n_chunks, HV, K, V]`` fp32 at the chunk's global number).
 
 Decay ratios exp(G_i - G_j) are formed against a reference row p with j <= p <= i, so
 each factor is at most 1, except inside a 16-row diagonal block. There, with the safe
@@ -32,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
+from kda_ops.reference import chunk_state_rows
 
 CHUNK = 64
 BLOCK = 16  # rows of a diagonal block of the UT/WY solve
@@ -215,9 +219,10 @@ def chunk_prepare_kernel(
 @triton.jit
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, cum_g, initial_state, cu_seqlens, chunk_offsets, length,
-    o, final_state,
+    o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -235,7 +240,8 @@ def chunk_recurrence_kernel(
     mask_v = offs_v < V
     dot_dtype = qg.dtype.element_ty
 
-    state_offsets = (i_nh.to(tl.int64) * K + offs_k[:, None]) * V + offs_v[None, :]
+    tile_offsets = offs_k[:, None] * V + offs_v[None, :]  # within one [K, V] state
+    state_offsets = i_nh.to(tl.int64) * K * V + tile_offsets
     state_mask = mask_k[:, None] & mask_v[None, :]
     state = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_INITIAL_STATE:
@@ -253,6 +259,8 @@ def chunk_recurrence_kernel(
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
         chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
+        if STORE_CHUNK_STATES:  # the state entering this chunk
+            tl.store(chunk_states + chunk_id * K * V + tile_offsets, state, mask=state_mask)
         b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
         # Blocks above the diagonal are never written (no zero-filled buffer needed).
         b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
@@ -288,21 +296,27 @@ def launch_chunk_kda(
     lower_bound: Optional[float],
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
+    chunk_states: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype) and the fp32 final state.
-    Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32."""
+    Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32.
+
+    ``chunk_states``: optional contiguous fp32 output ``[R, HV, K, V]`` with
+    ``R = chunk_state_rows(B, T, N or None)``, filled with the state at the start of every
+    chunk (chunk c of sequence n at row ``n * ceil(T / 64) + c``, or
+    ``chunk_offsets(cu_seqlens)[n] + c`` with packed sequences, whose rows past the last
+    chunk are left untouched)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     if cu_seqlens is None:
         n_seqs = batch
-        n_chunks = batch * triton.cdiv(length, CHUNK)
         chunk_offsets = None
     else:
         n_seqs = cu_seqlens.shape[0] - 1
-        n_chunks = triton.cdiv(length, CHUNK) + n_seqs  # an upper bound: no host sync
-        per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
-        chunk_offsets = torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
+        chunk_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
+    # An upper bound with packed sequences (no host sync); programs past the end exit.
+    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
     # tl.dot needs every dim >= 16; masks cover the padding.
     block_k = max(16, triton.next_power_of_2(head_k))
     block_v = max(16, triton.next_power_of_2(head_v))
@@ -342,9 +356,9 @@ def launch_chunk_kda(
     split_v = min(block_v, 32)
     chunk_recurrence_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, cum_g, initial_state, cu_seqlens, chunk_offsets, length,
-        o, final_state,
+        o, final_state, chunk_states,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None, num_warps=4,
     )  # fmt: skip
     return o, final_state

@@ -137,6 +137,32 @@ def test_chunk_against_float64_reference(lower_bound):
     assert relative_error(final, final_ref) < 5e-3
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_chunk_states_against_float64_reference(varlen):
+    """STORE_CHUNK_STATES on the GPU: bf16 inputs, the chunk-start states of the Triton
+    recurrence against the float64 reference's; the unused varlen rows stay zero."""
+    x, kwargs = chunk_inputs(1000, 4, -5.0)
+    cu_seqlens = None
+    n_seqs = 1
+    if varlen:
+        cu_seqlens = torch.tensor([0, 1, 300, 1000], device="cuda", dtype=torch.int32)
+        n_seqs = 3
+    state = torch.randn(n_seqs, 4, 128, 128, device="cuda")
+    kwargs = dict(kwargs, initial_state=state, cu_seqlens=cu_seqlens,
+                  return_intermediate_states=True)  # fmt: skip
+    with torch.inference_mode():
+        o, final, h = kda_ops.chunk_kda(**x, **kwargs)
+        o_ref, final_ref, h_ref = kda_ops.chunk_kda(**float64(x), **dict(
+            kwargs, initial_state=state.double()))  # fmt: skip
+    used = h.shape[1] if cu_seqlens is None else int(kda_ops.chunk_offsets(cu_seqlens)[-1])
+    assert h.dtype == torch.float32 and h.shape == h_ref.shape
+    assert torch.equal(h[:, 0], state[:1])
+    assert relative_error(h[:, :used], h_ref[:, :used]) < 5e-3
+    assert not h[:, used:].any()
+    assert relative_error(o, o_ref) < 5e-3
+    assert relative_error(final, final_ref) < 5e-3
+
+
 @needs_fla
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_chunk_against_fla_long(lower_bound):

@@ -50,6 +50,27 @@ def test_opcheck_delta_rule_varlen(op):
     opcheck(op, delta_rule_op_args(x, gate=True, initial_state=True, cu_seqlens=cu_seqlens))
 
 
+@pytest.mark.parametrize(
+    ("length", "gate", "initial_state", "scalar_gate", "cu_seqlens"),
+    [
+        (1, False, False, False, None),
+        (5, True, True, False, None),
+        (70, True, False, True, None),
+        (130, True, True, False, [0, 1, 66, 130]),
+    ],
+)
+def test_opcheck_chunk_states(length, gate, initial_state, scalar_gate, cu_seqlens):
+    """Inference only: no autograd formula, so no requires_grad inputs."""
+    n_seqs = None if cu_seqlens is None else len(cu_seqlens) - 1
+    x = delta_rule_inputs(length=length, n_seqs=n_seqs, value_heads=4, scalar_gate=scalar_gate,
+                          raw_gate=gate)  # fmt: skip
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+    args = delta_rule_op_args(x, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                              lower_bound=-5.0 if gate else None)  # fmt: skip
+    opcheck(torch.ops.kda.chunk_states.default, args)
+
+
 def test_opcheck_delta_rule_backward():
     x = delta_rule_inputs(length=9, raw_gate=True)
     o, state = torch.ops.kda.chunk(*delta_rule_op_args(x, gate=True, initial_state=True))

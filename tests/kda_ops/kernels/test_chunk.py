@@ -55,3 +55,39 @@ def test_without_initial_state():
     (o, state), (o_ref, state_ref) = run("gdn", initial_state=False, length=20, head_k=16)
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize(
+    ("variant", "cu_seqlens", "shape"),
+    [
+        ("safe_gate", None, dict(batch=2, length=130)),
+        # A 1-token sequence, partial last chunks, and one unused row of the upper bound.
+        ("safe_gate", [0, 1, 65, 150], dict(length=150, n_seqs=3)),
+        ("gdn", [0, 64, 100], dict(length=100, n_seqs=2)),
+    ],
+    ids=["fixed", "varlen", "gdn_varlen"],
+)
+def test_chunk_states(variant, cu_seqlens, shape):
+    """STORE_CHUNK_STATES writes the state entering every chunk at its global row and
+    leaves the rest of the buffer alone; outputs are those of the plain launch."""
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, device=DEVICE, dtype=torch.int32)
+    gate, lower_bound, scalar_gate = VARIANTS[variant]
+    x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
+                          dtype=torch.float32, heads=1, value_heads=2, head_k=8, head_v=24,
+                          **shape)  # fmt: skip
+    args = (*(t.to(DEVICE) for t in x.tensors()), cu_seqlens, 0.3, lower_bound, gate, gate)
+    _, _, expected = reference.delta_rule(reference.chunk_delta_rule_with_states, *args)
+    expected = expected.flatten(0, 1)  # [rows used, HV, K, V]
+    n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    rows = reference.chunk_state_rows(x.q.shape[0], x.q.shape[1], n_seqs)
+    chunk_states = torch.full((rows, *expected.shape[1:]), float("nan"), device=DEVICE)
+
+    o, state = launch_chunk_kda(*args, chunk_states=chunk_states)
+    o_plain, state_plain = launch_chunk_kda(*args)
+
+    used = expected.shape[0]
+    assert used == (rows if cu_seqlens is None else rows - 1)
+    torch.testing.assert_close(chunk_states[:used], expected)
+    assert chunk_states[used:].isnan().all()
+    assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
