@@ -125,12 +125,22 @@ def main() -> None:
     fla.load_state_dict(ours.state_dict())
     fla.requires_grad_(False)
 
-    rows = []
+    c = s.config
+    print(f"hybrid model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads × "
+          f"{c.head_dim}, vocab {c.vocab_size}, bf16, {torch.cuda.get_device_name()}")  # fmt: skip
+    print("| phase | (a) eager + FLA tok/s | (b) compile kda tok/s | (b)/(a) | target |")
+    print("| --- | --- | --- | --- | --- |", flush=True)
+
+    def row(phase: str, eager: float, compiled: float, target: float) -> None:
+        # Printed as soon as measured: a run cut short still reports what it finished.
+        print(f"| {phase} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f} | "
+              f">= {target} |", flush=True)  # fmt: skip
+
     with torch.no_grad():
         compiled_prefill = torch.compile(ours.prefill, backend="kda", fullgraph=True)
         eager = prefill_tokens_per_s(fla, fla.prefill, s)
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
-        rows.append((f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3))
+        row(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
 
         cache_eager = prompt_cache(fla, s)
         cache_compiled = clone(cache_eager)
@@ -140,16 +150,7 @@ def main() -> None:
         )
         eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
         compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
-        rows.append((f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0))
-
-    c = s.config
-    print(f"hybrid model: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads × "
-          f"{c.head_dim}, vocab {c.vocab_size}, bf16, {torch.cuda.get_device_name()}")  # fmt: skip
-    print("| phase | (a) eager + FLA tok/s | (b) compile kda tok/s | (b)/(a) | target |")
-    print("| --- | --- | --- | --- | --- |")
-    for phase, eager, compiled, target in rows:
-        print(f"| {phase} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f} | "
-              f">= {target} |")  # fmt: skip
+        row(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
 
 
 if __name__ == "__main__":
