@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import kernels, reference
-from kda_ops.validation import INDEX_DTYPES, MAX_HEAD_DIM, ArgumentChecker, check_delta_rule
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
 
 SAFE_GATE_MIN_LOWER_BOUND = -5.0
 
@@ -520,7 +520,6 @@ def fused_recurrent_kda_inplace(
 
 
 __all__ = [
-    "MAX_HEAD_DIM",
     "chunk_kda",
     "chunk_offsets",
     "fused_recurrent_kda",

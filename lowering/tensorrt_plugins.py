@@ -37,7 +37,6 @@ from lowering.tensorrt import PLUGINS, PluginKernel, Shapes, chunk_count
 
 NAMESPACE = "kda"
 MODEL_DTYPES = ("FP16", "BF16", "FP32")  # TensorRT type names, in autotune order
-TRITON_NAMES = {"FP16": "float16", "BF16": "bfloat16", "FP32": "float32"}
 
 DELTA_ATTRIBUTES: dict[str, type] = {
     "scale": float, "lower_bound": float, "use_gate": int, "use_lower_bound": int,
