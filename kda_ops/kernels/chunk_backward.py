@@ -1,0 +1,735 @@
+"""Chunkwise KDA / Gated DeltaNet backward in three kernels, after the forward of
+``launch_chunk_kda`` has been re-run for the chunk-start states.
+
+Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
+(l2-normalised) rows, β, in-chunk cumulative log-decay G (Γ = exp(G), Γ_C its last row),
+``A = tril(β (K̂ ⊙ Γ)(K̂ / Γ)ᵀ, -1)``, ``T = (I + A)⁻¹``, ``w = T β (K̂ ⊙ Γ)``,
+``u = T β V``, ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ``,
+``Aqk = scale tril((Q̂ ⊙ Γ)(K̂ / Γ)ᵀ)``; with S the state entering the chunk,
+``v_new = u - w S``, ``O = qg S + Aqk v_new``, ``S' = diag(Γ_C) S + kdᵀ v_new``.
+
+1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads). Recomputes
+   the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the full 64×64
+   inverse T (stored fp32: the backward applies Tᵀ, which block substitution does not
+   give), and w, qg, kd (stored in the input dtype, read by kernels 2 and 3).
+2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
+   Walks the chunks backwards carrying dS (fp32, K × V in registers):
+   ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
+   dv_new (fp32), dS' of every chunk (fp32, at the chunk's global number) and dS of the
+   first chunk (the initial state's gradient). It never needs S itself.
+3. ``chunk_bwd_grads_kernel``, token-parallel (grid: chunks × value heads). Phase 1, on
+   all 64 rows, one value block at a time: recomputes ``u = T β V`` and
+   ``v_new = u - w S``, and accumulates ``dqg = dO Sᵀ``, ``dkd = v_new dS'ᵀ``,
+   ``dAqk = dO v_newᵀ``, ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``),
+   ``dRw = Tᵀ dw = -dRu Sᵀ``, ``dA = -(dRu uᵀ + dRw wᵀ)`` and the decay term of Γ_C.
+   Phase 2, by 16-row blocks from the last: the pair terms of A and Aqk (their q̂ / k̂ /
+   G / β gradients), the reverse in-chunk cumsum of dG, the gate-activation and beta
+   sigmoid backward, and per-chunk partial sums of dA_log and d dt_bias.
+
+Saved versus recomputed: the chunk states S come from the forward kernels (one more
+forward; their HBM round trip is what the head-parallel scan costs anyway). G, T, Aqk, w,
+qg, kd are recomputed once by kernel 1 because kernel 2 reads them serially per chunk and
+kernel 3 needs T, and recomputing them per value block would repeat the O(C² K) work;
+u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
+rather than stored. Kernel 3 needs row blocks of matrices it builds on 64 rows (dA, dAqk)
+and of its phase-1 row gradients: it writes them to memory and reads them back by block
+(dA over T's buffer and scale·dAqk over Aqk's, which it no longer needs; the row
+gradients into the fp32 dq / dk / dg / dbeta outputs, completed in place by phase 2).
+
+Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
+j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
+Inside a diagonal block, the safe gate (``-5 <= lower_bound < 0``, not fp16) bounds the
+growing half by e^75 and the block is a dense dot; every other gate takes an exact
+column-by-column path there. Accumulation is fp32; products with S / dS, dO and v_new
+use the input dtype (bf16 tensor cores), products with T use fp32 operands (tf32).
+
+Gradients of q and k come out per value head and l2-normalised; the launcher sums the
+value-head groups and applies the l2norm backward in PyTorch.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.kernels.chunk import launch_chunk_kda
+from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
+from kda_ops.reference import chunk_state_rows
+
+CHUNK = 64
+BLOCK = 16  # rows of a diagonal block (the decay-ratio unit)
+L2NORM_EPS = tl.constexpr(1e-6)
+SAFE_GATE_LOWER_BOUND = -5.0
+
+
+@triton.jit
+def _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                  CHUNK: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+    """(first token of global chunk i_c, tokens left in its sequence from there); none
+    left for the programs of the varlen grid's upper bound that have no chunk."""
+    if IS_VARLEN:
+        seqs = tl.arange(0, BN)
+        ends = tl.load(chunk_offsets + 1 + seqs, mask=seqs < n_seqs, other=2**31 - 1)
+        seq = tl.sum((ends <= i_c).to(tl.int32))
+        valid = seq < n_seqs
+        first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
+        bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
+        eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
+        start = bos + (i_c - first_chunk).to(tl.int64) * CHUNK
+        return start, tl.where(valid, eos - start, 0)
+    n_chunks = tl.cdiv(length, CHUNK)
+    seq = i_c // n_chunks
+    start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * CHUNK
+    return start, (seq + 1).to(tl.int64) * length - start
+
+
+@triton.jit
+def _load_unit_rows(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
+                    USE_L2NORM: tl.constexpr):  # fmt: skip
+    """Rows of q or k ``[R, BK]`` fp32, l2-normalised with ``USE_L2NORM``; zero outside."""
+    mask = rows_in[:, None] & (offs_k < K)[None, :]
+    offsets = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
+    rows = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    if USE_L2NORM:
+        rows = rows / tl.sqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)[:, None]
+    return rows
+
+
+@triton.jit
+def _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV: tl.constexpr, K: tl.constexpr, offs_k,
+                   cum_last):  # fmt: skip
+    """Cumulative log-decay rows ``[R, BK]``; rows past the sequence hold the chunk's last
+    value (padding decays nothing, so every pair factor stays <= 1)."""
+    mask = rows_in[:, None] & (offs_k < K)[None, :]
+    rows = tl.load(cum_g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :], mask=mask,
+                   other=0.0)  # fmt: skip
+    return tl.where(rows_in[:, None], rows, cum_last[None, :])
+
+
+@triton.jit
+def _load_beta_rows(beta, tokens, rows_in, i_hv, HV: tl.constexpr,
+                    USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
+    """β ``[R]`` fp32 (after the sigmoid with ``USE_BETA_SIGMOID``), zero outside."""
+    rows = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        rows = tl.where(rows_in, tl.sigmoid(rows), 0.0)
+    return rows
+
+
+@triton.jit
+def _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV: tl.constexpr, K: tl.constexpr,
+                offs_k, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
+                HAS_DT_BIAS: tl.constexpr):  # fmt: skip
+    """``g (+ dt_bias)`` rows ``[R, BK]`` fp32; a scalar (GDN) gate is broadcast over the
+    K channels."""
+    mask_k = offs_k < K
+    if SCALAR_GATE:
+        x = tl.load(g + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            x += tl.load(dt_bias + i_hv).to(tl.float32)
+        x = x[:, None] + tl.zeros([1, BK], dtype=tl.float32)
+    else:
+        x = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
+                    mask=rows_in[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        if HAS_DT_BIAS:
+            x += tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
+def _gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """Log-decay from ``x = g_raw + dt_bias`` (``reference.kda_gate``), rate = exp(A_log)."""
+    if USE_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(rate * x)
+    return -rate * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+
+
+@triton.jit
+def _gate_activation_backward(dg, x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """(dx, the per-element term of dA_log) for the log-decay gradient dg."""
+    if USE_LOWER_BOUND:  # g = lb σ(e^A x): ∂g/∂A_log = x ∂g/∂x
+        s = tl.sigmoid(rate * x)
+        dx = dg * lower_bound * s * (1.0 - s) * rate
+        return dx, dx * x
+    # g = -e^A softplus(x): ∂g/∂x = -e^A σ(x), ∂g/∂A_log = g
+    dx = -dg * rate * tl.sigmoid(x)
+    return dx, dg * _gate_activation(x, rate, lower_bound, USE_LOWER_BOUND)
+
+
+@triton.jit
+def _inverse_unit_lower(a, N: tl.constexpr):
+    """(I + a)⁻¹ for a strictly lower-triangular [N, N] a, by forward substitution: row i
+    of the inverse is e_i - a[i, :] @ inverse."""
+    rows = tl.arange(0, N)
+    inverse = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, N):
+        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+        update = tl.sum(a_row[:, None] * inverse, axis=0)
+        inverse = tl.where(rows[:, None] == i, inverse - update[None, :], inverse)
+    return inverse
+
+
+@triton.jit
+def _row(x, sub, j):
+    """Row j of a 2-D block, as a vector over its columns."""
+    return tl.sum(tl.where(sub[:, None] == j, x, 0.0), axis=0)
+
+
+@triton.jit
+def _column(x, sub, j):
+    """Column j of a 2-D block, as a vector over its rows."""
+    return tl.sum(tl.where(sub[None, :] == j, x, 0.0), axis=1)
+
+
+@triton.jit
+def _exact_diagonal_pairs(r_q, r_k, r_cum, sub, BLOCK: tl.constexpr):
+    """``(Σ_c q_ic k_jc e^{G_ic - G_jc}, Σ_c k_ic k_jc e^{G_ic - G_jc})`` for i >= j of one
+    diagonal block (0 above), one column j at a time: exact for any gate."""
+    d_qk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    d_kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for j in range(0, BLOCK):
+        pair = tl.where(sub[:, None] >= j, r_cum - _row(r_cum, sub, j)[None, :], -float("inf"))
+        decayed = _row(r_k, sub, j)[None, :] * tl.exp(pair)
+        d_qk = tl.where(sub[None, :] == j, tl.sum(r_q * decayed, axis=1)[:, None], d_qk)
+        d_kk = tl.where(sub[None, :] == j, tl.sum(r_k * decayed, axis=1)[:, None], d_kk)
+    return d_qk, d_kk
+
+
+@triton.jit
+def _exact_diagonal_grads(m_a, m_q, d_a, r_q, r_k, r_cum, sub, BLOCK: tl.constexpr):
+    """Gradients of one diagonal block of the pair matrices ``P_ij = Σ_c x_ic k_jc
+    e^{G_ic - G_jc}`` (x = k for A, x = q for Aqk) given their row-scaled cotangents m_a
+    = β_i dA_ij and m_q, exact for any gate. Returns (dk from A's rows, dq from Aqk's
+    rows, dk from both columns, dβ = Σ_j dA_ij (K K)_ij)."""
+    row_k = tl.zeros_like(r_k)
+    row_q = tl.zeros_like(r_k)
+    col = tl.zeros_like(r_k)
+    d_beta = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, BLOCK):
+        decay = tl.exp(tl.where(sub[:, None] >= j, r_cum - _row(r_cum, sub, j)[None, :],
+                                -float("inf")))  # fmt: skip
+        k_j = _row(r_k, sub, j)
+        ma_j = _column(m_a, sub, j)
+        mq_j = _column(m_q, sub, j)
+        row_k += ma_j[:, None] * k_j[None, :] * decay
+        row_q += mq_j[:, None] * k_j[None, :] * decay
+        d_beta += _column(d_a, sub, j) * tl.sum(r_k * k_j[None, :] * decay, axis=1)
+        col_j = tl.sum((ma_j[:, None] * r_k + mq_j[:, None] * r_q) * decay, axis=0)
+        col = tl.where(sub[:, None] == j, col_j[None, :], col)
+    return row_k, row_q, col, d_beta
+
+
+@triton.jit
+def chunk_bwd_prepare_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+    scale, lower_bound, length, n_seqs,
+    cum_g, w, qg, kd, aqk, solve,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Writes, for the tokens of chunk i_c and value head i_hv: cum_g (fp32
+    ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), and at
+    ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk (causal part only; blocks above
+    the diagonal are left unwritten) and T (full, zeros above the diagonal)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    dot_dtype = q.dtype.element_ty
+    rows = tl.arange(0, CHUNK)
+    in_seq = rows < remaining
+    tokens = start + rows
+    mask_rows_k = in_seq[:, None] & mask_k[None, :]
+    token_offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    matrix = (i_c * HV + i_hv).to(tl.int64) * CHUNK * CHUNK  # this chunk's [C, C] block
+
+    # --- Gate activation and in-chunk cumulative log-decay.
+    b_g = _gate_input(g, dt_bias, tokens, in_seq, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                      HAS_DT_BIAS)  # fmt: skip
+    if USE_GATE:
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_g = _gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+    b_cum = tl.cumsum(tl.where(mask_rows_k, b_g, 0.0), axis=0)
+    tl.store(cum_g + token_offsets, b_cum, mask=mask_rows_k)
+    last = tl.minimum(remaining, CHUNK) - 1
+    cum_last = _row(b_cum, rows, last)
+    tl.debug_barrier()  # cum_g rows are re-read by block below
+
+    # --- A (into T's buffer, solved below) and Aqk, by 16-row blocks.
+    sub = tl.arange(0, BLOCK)
+    for i_b in range(0, CHUNK // BLOCK):
+        r_tok = start + i_b * BLOCK + sub
+        r_in = i_b * BLOCK + sub < remaining
+        r_q = _load_unit_rows(q, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
+        r_k = _load_unit_rows(k, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
+        r_beta = _load_beta_rows(beta, r_tok, r_in, i_hv, HV, USE_BETA_SIGMOID)
+        r_cum = _load_cum_rows(cum_g, r_tok, r_in, i_hv, HV, K, offs_k, cum_last)
+        ref = _row(r_cum, sub, 0)
+        r_k_ref = (r_k * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
+        r_q_ref = (r_q * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
+        block_rows = matrix + (i_b * BLOCK + sub)[:, None] * CHUNK + sub[None, :]
+        for j_b in range(0, i_b):
+            c_tok = start + j_b * BLOCK + sub
+            c_in = j_b * BLOCK + sub < remaining
+            c_k = _load_unit_rows(k, c_tok, c_in, i_h, H, K, offs_k, USE_L2NORM)
+            c_cum = _load_cum_rows(cum_g, c_tok, c_in, i_hv, HV, K, offs_k, cum_last)
+            c_k_ref = tl.trans((c_k * tl.exp(ref[None, :] - c_cum)).to(dot_dtype))
+            a_kk = tl.dot(r_k_ref, c_k_ref, input_precision=DOT_PRECISION)
+            a_qk = tl.dot(r_q_ref, c_k_ref, input_precision=DOT_PRECISION)
+            tl.store(solve + block_rows + j_b * BLOCK, r_beta[:, None] * a_kk)
+            tl.store(aqk + block_rows + j_b * BLOCK, scale * a_qk)
+        if SAFE_GATE:
+            d_k_ref = tl.trans((r_k * tl.exp(ref[None, :] - r_cum)).to(dot_dtype))
+            d_qk = tl.dot(r_q_ref, d_k_ref, input_precision=DOT_PRECISION)
+            d_kk = tl.dot(r_k_ref, d_k_ref, input_precision=DOT_PRECISION)
+        else:
+            d_qk, d_kk = _exact_diagonal_pairs(r_q, r_k, r_cum, sub, BLOCK)
+        causal = sub[:, None] >= sub[None, :]
+        strict = sub[:, None] > sub[None, :]
+        tl.store(solve + block_rows + i_b * BLOCK, tl.where(strict, r_beta[:, None] * d_kk, 0.0))
+        tl.store(aqk + block_rows + i_b * BLOCK, tl.where(causal, scale * d_qk, 0.0))
+    tl.debug_barrier()  # A is read back whole
+
+    # --- T = (I + A)⁻¹ over the whole chunk (A's blocks above the diagonal are unwritten).
+    square = matrix + rows[:, None] * CHUNK + rows[None, :]
+    a = tl.load(solve + square, mask=rows[:, None] > rows[None, :], other=0.0)
+    b_t = _inverse_unit_lower(a, CHUNK)
+    tl.debug_barrier()  # every thread has read A before T overwrites it
+    tl.store(solve + square, b_t)
+
+    # --- What the state scan reads: w = T β (K̂ ⊙ Γ), qg = scale Q̂ ⊙ Γ, kd = K̂ ⊙ Γ_C / Γ.
+    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
+    # (padding rows of b_cum already hold cum_last: their log-decay was zeroed)
+    b_w = tl.dot(b_t, b_beta[:, None] * b_k * tl.exp(b_cum), input_precision=DOT_PRECISION)
+    tl.store(w + token_offsets, b_w.to(w.dtype.element_ty), mask=mask_rows_k)
+    tl.store(qg + token_offsets, (scale * b_q * tl.exp(b_cum)).to(qg.dtype.element_ty),
+             mask=mask_rows_k)  # fmt: skip
+    tl.store(kd + token_offsets, (b_k * tl.exp(cum_last[None, :] - b_cum)).to(kd.dtype.element_ty),
+             mask=mask_rows_k)  # fmt: skip
+
+
+@triton.jit
+def chunk_bwd_state_kernel(
+    w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, chunk_offsets, length,
+    dv_new, dstates, grad_initial_state,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Reverse scan over the chunks of sequence i_n, value head i_hv, value columns of
+    block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (fp32 ``[n_chunks, HV, K,
+    V]``: the gradient of the state leaving each chunk) and, with
+    ``HAS_INITIAL_STATE``, the initial state's gradient (fp32 ``[N, HV, K, V]``)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        first_chunk = tl.load(chunk_offsets + i_n)
+    else:
+        bos = i_n.to(tl.int64) * length
+        seq_len = length
+        first_chunk = i_n * tl.cdiv(length, CHUNK)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    dot_dtype = qg.dtype.element_ty
+
+    tile_offsets = offs_k[:, None] * V + offs_v[None, :]  # within one [K, V] state
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    d_state = tl.load(grad_final_state + i_nh.to(tl.int64) * K * V + tile_offsets,
+                      mask=state_mask, other=0.0)  # fmt: skip
+
+    rows = tl.arange(0, CHUNK)
+    causal = rows[:, None] >= rows[None, :]
+    n_chunks = tl.cdiv(seq_len, CHUNK)
+    for step in range(0, n_chunks):
+        c = n_chunks - 1 - step
+        tokens = bos + c * CHUNK + rows
+        in_seq = c * CHUNK + rows < seq_len
+        token_offsets = (tokens * HV + i_hv)[:, None]
+        mask_rows_k = in_seq[:, None] & mask_k[None, :]
+        mask_rows_v = in_seq[:, None] & mask_v[None, :]
+        chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
+        tl.store(dstates + chunk_id * K * V + tile_offsets, d_state, mask=state_mask)
+        b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_qg = tl.load(qg + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
+                       other=0.0).to(dot_dtype)  # fmt: skip
+        b_aqk = tl.load(aqk + (chunk_id * CHUNK + rows)[:, None] * CHUNK + rows[None, :],
+                        mask=causal, other=0.0)  # fmt: skip
+        last = tl.minimum(seq_len - c * CHUNK, CHUNK) - 1
+        decay_last = tl.exp(tl.load(cum_g + ((bos + c * CHUNK + last) * HV + i_hv) * K + offs_k,
+                                    mask=mask_k, other=0.0))  # fmt: skip
+
+        b_dv = tl.dot(tl.trans(b_aqk.to(dot_dtype)), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(b_kd.to(dot_dtype), d_state.to(dot_dtype), input_precision=DOT_PRECISION)
+        tl.store(dv_new + token_offsets * V + offs_v[None, :], b_dv, mask=mask_rows_v)
+        d_state = d_state * decay_last[:, None]
+        d_state += tl.dot(tl.trans(b_qg.to(dot_dtype)), b_do, input_precision=DOT_PRECISION)
+        d_state -= tl.dot(tl.trans(b_w.to(dot_dtype)), b_dv.to(dot_dtype),
+                          input_precision=DOT_PRECISION)  # fmt: skip
+    if HAS_INITIAL_STATE:
+        tl.store(grad_initial_state + i_nh.to(tl.int64) * K * V + tile_offsets, d_state,
+                 mask=state_mask)  # fmt: skip
+
+
+@triton.jit
+def chunk_bwd_grads_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+    cum_g, w, chunk_states, dstates, grad_o, dv_new, aqk, solve, d_cum_rows,
+    scale, lower_bound, length, n_seqs,
+    dq, dk, dv, dg, dbeta, dA_log_part, ddt_part,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Gradients for the tokens of chunk i_c, value head i_hv: dq, dk (fp32, per value
+    head, of the l2-normalised rows, ``[B, T, HV, K]``), dv (v's dtype), dg (fp32, of the
+    raw gate, g's dtype and shape), dbeta (fp32, of the raw beta), and at
+    row ``i_c * HV + i_hv`` the chunk's share of dA_log (``[n_chunks * HV]``) and
+    d dt_bias (``[n_chunks * HV, K]``, or ``[n_chunks * HV]`` for the scalar gate).
+    Overwrites ``aqk`` with scale·dAqk and ``solve`` (T on entry) with dA; ``d_cum_rows``
+    (fp32 ``[B, T, HV, K]``) is scratch for phase 1's part of dG."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    dot_dtype = q.dtype.element_ty
+    rows = tl.arange(0, CHUNK)
+    in_seq = rows < remaining
+    tokens = start + rows
+    token_offsets = (tokens * HV + i_hv)[:, None]
+    mask_rows_k = in_seq[:, None] & mask_k[None, :]
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    square = chunk_id * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
+    last = tl.minimum(remaining, CHUNK) - 1
+    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
+
+    # --- Phase 1: all 64 rows, one value block at a time.
+    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
+    b_cum = _load_cum_rows(cum_g, tokens, in_seq, i_hv, HV, K, offs_k, cum_last)
+    b_t = tl.load(solve + square)
+    b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+    d_qg = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO Sᵀ
+    d_kd = tl.zeros([CHUNK, BK], dtype=tl.float32)  # v_new dS'ᵀ
+    d_rw = tl.zeros([CHUNK, BK], dtype=tl.float32)  # Tᵀ dw
+    d_aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    d_decay = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS', the decay term of Γ_C
+    for i_v in range(0, tl.cdiv(V, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < V
+        mask_rows_v = in_seq[:, None] & mask_v[None, :]
+        tile = chunk_id * K * V + offs_k[:, None] * V + offs_v[None, :]
+        tile_mask = mask_k[:, None] & mask_v[None, :]
+        b_s = tl.load(chunk_states + tile, mask=tile_mask, other=0.0)
+        b_ds = tl.load(dstates + tile, mask=tile_mask, other=0.0)
+        b_v = tl.load(v + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
+                      other=0.0).to(tl.float32)  # fmt: skip
+        b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
+                       other=0.0).to(dot_dtype)  # fmt: skip
+        b_dvn = tl.load(dv_new + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
+                        other=0.0)  # fmt: skip
+        b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
+        b_s_t = tl.trans(b_s.to(dot_dtype))
+        v_new = b_u - tl.dot(b_w.to(dot_dtype), b_s.to(dot_dtype), input_precision=DOT_PRECISION)
+        v_new = v_new.to(dot_dtype)
+        d_qg += tl.dot(b_do, b_s_t, input_precision=DOT_PRECISION)
+        d_kd += tl.dot(v_new, tl.trans(b_ds.to(dot_dtype)), input_precision=DOT_PRECISION)
+        d_aqk += tl.dot(b_do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        d_ru = tl.dot(tl.trans(b_t), b_dvn, input_precision=DOT_PRECISION)
+        tl.store(dv + token_offsets * V + offs_v[None, :],
+                 (b_beta[:, None] * d_ru).to(dv.dtype.element_ty), mask=mask_rows_v)  # fmt: skip
+        d_beta += tl.sum(d_ru * b_v, axis=1)
+        d_rw -= tl.dot(d_ru.to(dot_dtype), b_s_t, input_precision=DOT_PRECISION)
+        d_a -= tl.dot(d_ru, tl.trans(b_u), input_precision=DOT_PRECISION)
+        d_decay += tl.sum(b_s * b_ds, axis=1)
+    d_a -= tl.dot(d_rw, tl.trans(b_w.to(tl.float32)), input_precision=DOT_PRECISION)
+
+    gamma = tl.exp(b_cum)
+    to_end = tl.exp(cum_last[None, :] - b_cum)
+    d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
+    d_q = scale * gamma * d_qg
+    d_k = b_beta[:, None] * gamma * d_rw + to_end * d_kd
+    d_cum = b_q * d_q + b_beta[:, None] * b_k * gamma * d_rw - b_k * to_end * d_kd
+    # G_C (the last row) also scales the carried state and every kd row.
+    d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
+    d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
+    k_offsets = token_offsets * K + offs_k[None, :]
+    tl.store(dq + k_offsets, d_q, mask=mask_rows_k)
+    tl.store(dk + k_offsets, d_k, mask=mask_rows_k)
+    tl.store(d_cum_rows + k_offsets, d_cum, mask=mask_rows_k)
+    tl.store(dbeta + tokens * HV + i_hv, d_beta, mask=in_seq)
+    tl.debug_barrier()  # every thread has read T before dA overwrites it
+    tl.store(solve + square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
+    tl.store(aqk + square, tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0))
+    tl.debug_barrier()  # the row gradients, dA and dAqk are read back by block
+
+    # --- Phase 2: by 16-row blocks, last first (the reverse cumsum carries forward).
+    sub = tl.arange(0, BLOCK)
+    if USE_GATE:
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    d_later = tl.zeros([BK], dtype=tl.float32)  # Σ dG of the rows after this block
+    d_a_log = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)  # a 0-d fp32 accumulator
+    d_dt = tl.zeros([BK], dtype=tl.float32)
+    if SCALAR_GATE:  # the columns that stand for a raw gate element
+        channel = offs_k == 0
+    else:
+        channel = mask_k
+    for step in range(0, CHUNK // BLOCK):
+        i_b = CHUNK // BLOCK - 1 - step
+        r_tok = start + i_b * BLOCK + sub
+        r_in = i_b * BLOCK + sub < remaining
+        r_mask_k = r_in[:, None] & mask_k[None, :]
+        r_q = _load_unit_rows(q, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
+        r_k = _load_unit_rows(k, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
+        r_beta = _load_beta_rows(beta, r_tok, r_in, i_hv, HV, USE_BETA_SIGMOID)
+        r_cum = _load_cum_rows(cum_g, r_tok, r_in, i_hv, HV, K, offs_k, cum_last)
+        ref = _row(r_cum, sub, 0)
+        block_rows = chunk_id * CHUNK * CHUNK + (i_b * BLOCK + sub)[:, None] * CHUNK
+        # Rows of this block against earlier columns, factors split at ref (both <= 1).
+        row_k = tl.zeros([BLOCK, BK], dtype=tl.float32)  # to be scaled by e^{G - ref}
+        row_q = tl.zeros([BLOCK, BK], dtype=tl.float32)
+        r_dbeta = tl.zeros([BLOCK], dtype=tl.float32)
+        r_k_ref = (r_k * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
+        for j_b in range(0, i_b):
+            c_tok = start + j_b * BLOCK + sub
+            c_in = j_b * BLOCK + sub < remaining
+            c_k = _load_unit_rows(k, c_tok, c_in, i_h, H, K, offs_k, USE_L2NORM)
+            c_cum = _load_cum_rows(cum_g, c_tok, c_in, i_hv, HV, K, offs_k, cum_last)
+            c_k_ref = (c_k * tl.exp(ref[None, :] - c_cum)).to(dot_dtype)
+            d_a_blk = tl.load(solve + block_rows + j_b * BLOCK + sub[None, :])
+            m_q = tl.load(aqk + block_rows + j_b * BLOCK + sub[None, :]).to(dot_dtype)
+            m_a = (r_beta[:, None] * d_a_blk).to(dot_dtype)
+            row_k += tl.dot(m_a, c_k_ref, input_precision=DOT_PRECISION)
+            row_q += tl.dot(m_q, c_k_ref, input_precision=DOT_PRECISION)
+            kk = tl.dot(r_k_ref, tl.trans(c_k_ref), input_precision=DOT_PRECISION)
+            r_dbeta += tl.sum(d_a_blk * kk, axis=1)
+        # Columns of this block against later rows, split at each later block's ref.
+        col = tl.zeros([BLOCK, BK], dtype=tl.float32)
+        for i_l in range(i_b + 1, CHUNK // BLOCK):
+            l_tok = start + i_l * BLOCK + sub
+            l_in = i_l * BLOCK + sub < remaining
+            l_q = _load_unit_rows(q, l_tok, l_in, i_h, H, K, offs_k, USE_L2NORM)
+            l_k = _load_unit_rows(k, l_tok, l_in, i_h, H, K, offs_k, USE_L2NORM)
+            l_beta = _load_beta_rows(beta, l_tok, l_in, i_hv, HV, USE_BETA_SIGMOID)
+            l_cum = _load_cum_rows(cum_g, l_tok, l_in, i_hv, HV, K, offs_k, cum_last)
+            l_ref = _row(l_cum, sub, 0)
+            l_decay = tl.exp(l_cum - l_ref[None, :])
+            l_rows = chunk_id * CHUNK * CHUNK + (i_l * BLOCK + sub)[:, None] * CHUNK
+            m_a = l_beta[:, None] * tl.load(solve + l_rows + i_b * BLOCK + sub[None, :])
+            m_q = tl.load(aqk + l_rows + i_b * BLOCK + sub[None, :])
+            col_ref = tl.dot(tl.trans(m_a.to(dot_dtype)), (l_k * l_decay).to(dot_dtype),
+                             input_precision=DOT_PRECISION)  # fmt: skip
+            col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), (l_q * l_decay).to(dot_dtype),
+                              input_precision=DOT_PRECISION)  # fmt: skip
+            col += col_ref * tl.exp(l_ref[None, :] - r_cum)
+        # The diagonal block.
+        d_a_blk = tl.load(solve + block_rows + i_b * BLOCK + sub[None, :])
+        m_q = tl.load(aqk + block_rows + i_b * BLOCK + sub[None, :])
+        m_a = r_beta[:, None] * d_a_blk
+        if SAFE_GATE:  # growing factors stay below e^75
+            r_k_inv = (r_k * tl.exp(ref[None, :] - r_cum)).to(dot_dtype)
+            row_k += tl.dot(m_a.to(dot_dtype), r_k_inv, input_precision=DOT_PRECISION)
+            row_q += tl.dot(m_q.to(dot_dtype), r_k_inv, input_precision=DOT_PRECISION)
+            kk = tl.dot(r_k_ref, tl.trans(r_k_inv), input_precision=DOT_PRECISION)
+            r_dbeta += tl.sum(d_a_blk * kk, axis=1)
+            r_q_ref = (r_q * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
+            col_ref = tl.dot(tl.trans(m_a.to(dot_dtype)), r_k_ref, input_precision=DOT_PRECISION)
+            col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), r_q_ref, input_precision=DOT_PRECISION)
+            col += col_ref * tl.exp(ref[None, :] - r_cum)
+            row_k *= tl.exp(r_cum - ref[None, :])
+            row_q *= tl.exp(r_cum - ref[None, :])
+        else:
+            row_k *= tl.exp(r_cum - ref[None, :])
+            row_q *= tl.exp(r_cum - ref[None, :])
+            diag_k, diag_q, diag_col, diag_dbeta = _exact_diagonal_grads(
+                m_a, m_q, d_a_blk, r_q, r_k, r_cum, sub, BLOCK
+            )
+            row_k += diag_k
+            row_q += diag_q
+            col += diag_col
+            r_dbeta += diag_dbeta
+
+        # Complete this block's rows.
+        r_offsets = (r_tok * HV + i_hv)[:, None] * K + offs_k[None, :]
+        r_dq = tl.load(dq + r_offsets, mask=r_mask_k, other=0.0) + row_q
+        r_dk = tl.load(dk + r_offsets, mask=r_mask_k, other=0.0) + row_k + col
+        d_cum = tl.load(d_cum_rows + r_offsets, mask=r_mask_k, other=0.0)
+        d_cum += r_q * row_q + r_k * row_k - r_k * col
+        tl.store(dq + r_offsets, r_dq, mask=r_mask_k)
+        tl.store(dk + r_offsets, r_dk, mask=r_mask_k)
+        # G_i = Σ_{s <= i} g_s inside the chunk: dg is the reverse cumsum of dG.
+        d_raw = tl.cumsum(d_cum, axis=0, reverse=True) + d_later[None, :]
+        d_later += tl.sum(d_cum, axis=0)
+        if SCALAR_GATE:  # one gate shared by the K channels
+            d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
+                [1, BK], dtype=tl.float32
+            )
+        if USE_GATE:
+            x = _gate_input(g, dt_bias, r_tok, r_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                            HAS_DT_BIAS)  # fmt: skip
+            d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
+            used = r_in[:, None] & channel[None, :]
+            d_a_log += tl.sum(tl.sum(tl.where(used, d_rate, 0.0), axis=1), axis=0)
+            d_dt += tl.sum(tl.where(used, d_raw, 0.0), axis=0)
+        if SCALAR_GATE:
+            d_raw = _column(d_raw, offs_k, 0)
+            tl.store(dg + r_tok * HV + i_hv, d_raw.to(dg.dtype.element_ty), mask=r_in)
+        else:
+            tl.store(dg + r_offsets, d_raw.to(dg.dtype.element_ty), mask=r_mask_k)
+
+        r_dbeta += tl.load(dbeta + r_tok * HV + i_hv, mask=r_in, other=0.0)
+        if USE_BETA_SIGMOID:
+            s = tl.sigmoid(tl.load(beta + r_tok * HV + i_hv, mask=r_in, other=0.0).to(tl.float32))
+            r_dbeta *= s * (1.0 - s)
+        tl.store(dbeta + r_tok * HV + i_hv, r_dbeta, mask=r_in)
+    if USE_GATE:
+        tl.store(dA_log_part + chunk_id, d_a_log)
+        if SCALAR_GATE:
+            tl.store(ddt_part + chunk_id, tl.sum(d_dt, axis=0))
+        else:
+            tl.store(ddt_part + chunk_id * K + offs_k, d_dt, mask=mask_k)
+
+
+def launch_chunk_kda_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    grad_o: Tensor,
+    grad_final_state: Tensor,
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, ...]:
+    """Gradients of ``launch_chunk_kda`` (same arguments, shapes and dtypes) given
+    ``grad_o`` ``[B, T, HV, V]`` (v's dtype) and ``grad_final_state`` ``[N, HV, K, V]``
+    fp32. Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state), each
+    in its input's dtype and shape; an absent optional input gets an empty tensor
+    (``kda::delta_rule_backward``'s convention)."""
+    q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
+    grad_final_state = grad_final_state.to(torch.float32).contiguous()
+    batch, length, heads, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    if cu_seqlens is None:
+        n_seqs, offsets = batch, None
+    else:
+        n_seqs, offsets = cu_seqlens.shape[0] - 1, sequence_chunk_offsets(cu_seqlens, CHUNK)
+    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
+    launch_chunk_kda(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_beta_sigmoid, chunk_states=chunk_states,
+    )  # fmt: skip
+
+    block_k = max(16, triton.next_power_of_2(head_k))  # tl.dot needs dims >= 16
+    block_v = max(16, triton.next_power_of_2(head_v))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp16's range (e^11) cannot hold the in-block factors (up to e^75): exact path there.
+    safe = (
+        lower_bound is not None
+        and A_log is not None
+        and lower_bound >= SAFE_GATE_LOWER_BOUND
+        and q.dtype != torch.float16
+    )
+    flags = dict(
+        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None and A_log is not None, SAFE_GATE=safe,
+        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
+    )  # fmt: skip
+    shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
+                 BN=triton.next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK)  # fmt: skip
+    gate_args = (A_log, dt_bias, cu_seqlens, offsets)
+    lower = 0.0 if lower_bound is None else lower_bound
+    warps = 4 if block_k <= 64 else 8
+
+    tokens_shape = (batch, length, value_heads)
+    cum_g = torch.empty(*tokens_shape, head_k, **f32)
+    w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
+    aqk, solve = torch.empty(2, n_chunks, value_heads, CHUNK, CHUNK, **f32)
+    chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
+        q, k, g, beta, *gate_args, scale, lower, length, n_seqs,
+        cum_g, w, qg, kd, aqk, solve, **shape, **flags, num_warps=warps,
+    )  # fmt: skip
+
+    dv_new = torch.empty(*tokens_shape, head_v, **f32)
+    dstates = torch.empty_like(chunk_states)
+    d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
+    split_v = min(block_v, 32)  # as the forward's scan: more programs, a smaller dS tile
+    chunk_bwd_state_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
+        w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
+        dv_new, dstates, d_initial,
+        HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
+        HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+
+    dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty(*tokens_shape, **f32)
+    # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
+    dA_log_part = torch.zeros(n_chunks, value_heads, **f32)
+    ddt_part = torch.zeros(n_chunks, value_heads, *g.shape[3:], **f32)
+    chunk_bwd_grads_kernel[(n_chunks, value_heads)](
+        q, k, v, g, beta, *gate_args, cum_g, w, chunk_states, dstates, grad_o, dv_new,
+        aqk, solve, d_cum, scale, lower, length, n_seqs,
+        dq_hat, dk_hat, dv, dg, dbeta, dA_log_part, ddt_part,
+        V=head_v, BV=min(block_v, 32), **shape, **flags, num_warps=warps,
+    )  # fmt: skip
+
+    dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
+    dk = _qk_input_grad(k, dk_hat, use_qk_l2norm)
+    empty = q.new_empty(0)
+    d_A_log = empty if A_log is None else dA_log_part.sum(0).to(A_log.dtype)
+    d_dt_bias = empty if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
+    d_initial = empty if d_initial is None else d_initial.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
+
+
+def _qk_input_grad(x: Tensor, d_unit: Tensor, use_qk_l2norm: bool) -> Tensor:
+    """The gradient of q or k ``[B, T, H, K]`` from the per-value-head gradient of its
+    (l2-normalised) rows ``[B, T, HV, K]`` fp32: sum each head's value-head group, then
+    the l2norm backward ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``, in fp32."""
+    batch, length, heads, head_k = x.shape
+    d = d_unit.view(batch, length, heads, -1, head_k).sum(3)
+    if use_qk_l2norm:
+        xf = x.float()
+        inv_norm = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS.value)
+        unit = xf * inv_norm
+        d = (d - unit * (unit * d).sum(-1, keepdim=True)) * inv_norm
+    return d.to(x.dtype)
