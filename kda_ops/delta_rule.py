@@ -8,7 +8,8 @@ Ops (schemas are inferred from the annotations below):
   (prefix-cache snapshots), ``(o, final_state, chunk_states)``; inference only.
 - ``kda::recurrent_``: in-place serving flavour; reads and writes a state pool at
   ``state_indices`` (for CUDA-graph decode).
-- ``kda::delta_rule_backward``: the gradients of both functional ops.
+- ``kda::delta_rule_backward``: the gradients of both functional ops (on CUDA, the Triton
+  chunk backward of ``kernels/chunk_backward.py``; float64 differentiates the reference).
 """
 
 from typing import Optional
@@ -80,8 +81,7 @@ def _delta_rule_fake(
     return v.new_empty(v.shape), state
 
 
-@torch.library.custom_op("kda::delta_rule_backward", mutates_args=())
-def delta_rule_backward_op(
+def delta_rule_backward_reference(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -109,6 +109,11 @@ def delta_rule_backward_op(
 
     primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return reference.vjp(forward, primals, (grad_o, grad_final_state))
+
+
+delta_rule_backward_op = torch.library.custom_op("kda::delta_rule_backward", mutates_args=())(
+    delta_rule_backward_reference
+)
 
 
 @delta_rule_backward_op.register_fake
@@ -254,6 +259,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, s
 
 if kernels.AVAILABLE:
     from kda_ops.kernels.chunk import launch_chunk_kda
+    from kda_ops.kernels.chunk_backward import launch_chunk_kda_backward
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
     @chunk_op.register_kernel("cuda")
@@ -278,6 +284,16 @@ if kernels.AVAILABLE:
         chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
         o, final = launch_chunk_kda(*args, *config, chunk_states=chunk_states)
         return o, final, chunk_states
+
+    @delta_rule_backward_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
+          scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
+                grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
+        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return delta_rule_backward_reference(*args)
+        return launch_chunk_kda_backward(*args)
 
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,

@@ -715,10 +715,10 @@ def launch_chunk_kda_backward(
 
     dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
     dk = _qk_input_grad(k, dk_hat, use_qk_l2norm)
-    empty = q.new_empty(0)
-    d_A_log = empty if A_log is None else dA_log_part.sum(0).to(A_log.dtype)
-    d_dt_bias = empty if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
-    d_initial = empty if d_initial is None else d_initial.to(initial_state.dtype)
+    # A fresh empty tensor for each absent input: an op's outputs may not alias.
+    d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum(0).to(A_log.dtype)
+    d_dt_bias = q.new_empty(0) if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
+    d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
 
 
@@ -727,7 +727,7 @@ def _qk_input_grad(x: Tensor, d_unit: Tensor, use_qk_l2norm: bool) -> Tensor:
     (l2-normalised) rows ``[B, T, HV, K]`` fp32: sum each head's value-head group, then
     the l2norm backward ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``, in fp32."""
     batch, length, heads, head_k = x.shape
-    d = d_unit.view(batch, length, heads, -1, head_k).sum(3)
+    d = d_unit.view(batch, length, heads, d_unit.shape[2] // heads, head_k).sum(3)
     if use_qk_l2norm:
         xf = x.float()
         inv_norm = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS.value)
