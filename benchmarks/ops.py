@@ -88,6 +88,36 @@ def bench_chunk(heads, length=8192, dim=128) -> Row:
     return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16", ours, peer, nbytes)
 
 
+def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
+    """Training step of one layer: forward + backward of every input (gate, beta and
+    l2norm in the kernel), timed and with the peak memory each allocates."""
+    x = kda_inputs(1, length, heads, dim)
+    leaves = [t.requires_grad_() for t in x.values()]
+    grad_o = torch.randn_like(x["v"])
+
+    def train_step(chunk_kda):
+        def step():
+            o, _ = chunk_kda(**x, **IN_KERNEL)
+            return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+
+        return step
+
+    def peak_gib(step) -> float:
+        """Peak memory of one step beyond what is allocated before it."""
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    ours, peer = train_step(kda_ops.chunk_kda), train_step(fla_chunk_kda)
+    ours_ms, peer_ms = time_ms(ours), time_ms(peer)  # also the warm-up (compile, autotune)
+    memory = f"peak GiB ours {peak_gib(ours):.2f} / FLA {peak_gib(peer):.2f}"
+    return Row(f"chunk_kda fwd+bwd B=1 T={length} H={heads} D={dim} bf16, {memory}",
+               ours_ms, peer_ms)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -96,6 +126,7 @@ def main() -> None:
     benches = [
         lambda: [bench_chunk(96)],
         lambda: [bench_chunk(64)],
+        lambda: [bench_chunk_backward()],
         bench_decode,
         lambda: [bench_gated_norm()],
         lambda: [bench_conv_update()],

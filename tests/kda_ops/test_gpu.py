@@ -208,3 +208,63 @@ def test_chunk_extreme_gates_are_finite(lower_bound):
         x["g"] = torch.full_like(x["g"], 30.0 * sign)
         o, final = kda_ops.chunk_kda(**x, **kwargs)
         assert torch.isfinite(o).all() and torch.isfinite(final).all()
+
+
+# Relative RMSE of the gradients against FLA (bf16, same algorithm) ...
+GRAD_TOLERANCE = dict(q=8e-3, k=8e-3, v=8e-3, initial_state=8e-3, g=2e-2, beta=2e-2,
+                      A_log=2e-2, dt_bias=2e-2)  # fmt: skip
+# ... and against float64 with bf16 inputs (DESIGN's "grads ≲ 1e-2"); fp32 inputs: 1 %.
+REFERENCE_GRAD_TOLERANCE = dict(GRAD_TOLERANCE, q=1e-2, k=1e-2, v=1e-2, initial_state=1e-2)
+
+
+def chunk_kda_grads(chunk_kda, x, state, grad_o, grad_state, **kwargs):
+    """The gradient of every input and the initial state (None where ``chunk_kda`` gives
+    none) for the cotangents (grad_o, grad_state) of (o, final state)."""
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+    leaves["initial_state"] = state.detach().clone().requires_grad_()
+    o, final = chunk_kda(**leaves, **kwargs)
+    torch.autograd.backward((o, final), (grad_o, grad_state))
+    return {name: t.grad for name, t in leaves.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_backward_against_float64_reference(dtype, varlen, lower_bound):
+    """The Triton backward (kda::delta_rule_backward's CUDA kernel) against autograd through
+    the float64 reference; fp32 inputs take exact (ieee) products."""
+    x, kwargs = chunk_inputs(1000, 4, lower_bound)
+    x = {name: t.to(dtype) if t.dtype == torch.bfloat16 else t for name, t in x.items()}
+    cu_seqlens = None
+    if varlen:
+        cu_seqlens = torch.tensor([0, 1, 300, 1000], device="cuda", dtype=torch.int32)
+    state = torch.randn(3 if varlen else 1, 4, 128, 128, device="cuda")
+    grad_o = torch.randn_like(x["v"])
+    grad_state = torch.randn_like(state)
+    kwargs = dict(kwargs, cu_seqlens=cu_seqlens)
+    grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
+    expected = chunk_kda_grads(kda_ops.chunk_kda, float64(x), state.double(), grad_o.double(),
+                               grad_state.double(), **kwargs)  # fmt: skip
+    scale = 1.0 if dtype == torch.bfloat16 else 1e-2
+    tolerance = REFERENCE_GRAD_TOLERANCE
+    errors = {name: relative_error(grads[name], expected[name]) for name in tolerance}
+    assert all(errors[n] < scale * tolerance[n] for n in errors), errors
+
+
+@needs_fla
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_backward_against_fla(lower_bound):
+    """Gradients at the training shape (bf16, T = 8192, H = 64, D = 128) against FLA's
+    chunk_kda backward; gate-parameter gradients where FLA returns them."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    x, kwargs = chunk_inputs(8192, 64, lower_bound)
+    state = torch.randn(1, 64, 128, 128, device="cuda")
+    grad_o = torch.randn_like(x["v"])
+    grad_state = torch.randn_like(state)
+    grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
+    peer = chunk_kda_grads(fla_chunk_kda, x, state, grad_o, grad_state, **kwargs)
+    errors = {name: relative_error(grads[name], peer[name])
+              for name in GRAD_TOLERANCE if peer[name] is not None}  # fmt: skip
+    assert {"q", "k", "v", "g", "beta", "initial_state"} <= errors.keys(), errors
+    assert all(errors[n] < GRAD_TOLERANCE[n] for n in errors), errors
