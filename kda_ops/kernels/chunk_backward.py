@@ -1,4 +1,4 @@
-"""Chunkwise KDA / Gated DeltaNet backward in three kernels, after the forward of
+"""Chunkwise KDA / Gated DeltaNet backward in four kernels, after the forward of
 ``launch_chunk_kda`` has been re-run for the chunk-start states.
 
 Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
@@ -11,30 +11,32 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads). Recomputes
    the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the full 64×64
    inverse T (stored fp32: the backward applies Tᵀ, which block substitution does not
-   give), and w, qg, kd (stored in the input dtype, read by kernels 2 and 3).
+   give), and w, qg, kd (stored in the input dtype).
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
    dv_new (fp32), dS' of every chunk (fp32, at the chunk's global number) and dS of the
    first chunk (the initial state's gradient). It never needs S itself.
-3. ``chunk_bwd_grads_kernel``, token-parallel (grid: chunks × value heads). Phase 1, on
-   all 64 rows, one value block at a time: recomputes ``u = T β V`` and
-   ``v_new = u - w S``, and accumulates ``dqg = dO Sᵀ``, ``dkd = v_new dS'ᵀ``,
-   ``dAqk = dO v_newᵀ``, ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``),
-   ``dRw = Tᵀ dw = -dRu Sᵀ``, ``dA = -(dRu uᵀ + dRw wᵀ)`` and the decay term of Γ_C.
-   Phase 2, by 16-row blocks from the last: the pair terms of A and Aqk (their q̂ / k̂ /
-   G / β gradients), the reverse in-chunk cumsum of dG, the gate-activation and beta
-   sigmoid backward, and per-chunk partial sums of dA_log and d dt_bias.
+3. ``chunk_bwd_wy_kernel``, token-parallel, on all 64 rows, one value block at a time:
+   recomputes ``u = T β V`` and ``v_new = u - w S``, and accumulates ``dqg = dO Sᵀ``,
+   ``dkd = v_new dS'ᵀ``, ``dAqk = dO v_newᵀ``, ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``),
+   ``dRw = Tᵀ dw = -dRu Sᵀ``, ``dA = -(dRu uᵀ + dRw wᵀ)`` and the decay term of Γ_C;
+   writes dv and the row-local parts of dq, dk, dG, dbeta.
+4. ``chunk_bwd_pairs_kernel``, token-parallel, by 16-row blocks from the last: the pair
+   terms of A and Aqk (their q̂ / k̂ / G / β gradients), the reverse in-chunk cumsum of dG,
+   the gate-activation and beta-sigmoid backward, and per-chunk partial sums of dA_log
+   and d dt_bias.
 
 Saved versus recomputed: the chunk states S come from the forward kernels (one more
 forward; their HBM round trip is what the head-parallel scan costs anyway). G, T, Aqk, w,
 qg, kd are recomputed once by kernel 1 because kernel 2 reads them serially per chunk and
 kernel 3 needs T, and recomputing them per value block would repeat the O(C² K) work;
 u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
-rather than stored. Kernel 3 needs row blocks of matrices it builds on 64 rows (dA, dAqk)
-and of its phase-1 row gradients: it writes them to memory and reads them back by block
-(dA over T's buffer and scale·dAqk over Aqk's, which it no longer needs; the row
-gradients into the fp32 dq / dk / dg / dbeta outputs, completed in place by phase 2).
+rather than stored. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes
+over T's buffer and scale·dAqk over Aqk's (neither is needed any more), the row-local
+gradients into the fp32 dq / dk / dbeta outputs (completed in place) and a dG scratch.
+Splitting kernels 3 and 4 keeps each within the register file (their phases only
+communicate through memory).
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -388,25 +390,21 @@ def chunk_bwd_state_kernel(
 
 
 @triton.jit
-def chunk_bwd_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-    cum_g, w, chunk_states, dstates, grad_o, dv_new, aqk, solve, d_cum_rows,
-    scale, lower_bound, length, n_seqs,
-    dq, dk, dv, dg, dbeta, dA_log_part, ddt_part,
+def chunk_bwd_wy_kernel(
+    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
+    scale, length, n_seqs,
+    aqk, solve, dq, dk, d_cum_rows, dv, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Gradients for the tokens of chunk i_c, value head i_hv: dq, dk (fp32, per value
-    head, of the l2-normalised rows, ``[B, T, HV, K]``), dv (v's dtype), dg (fp32, of the
-    raw gate, g's dtype and shape), dbeta (fp32, of the raw beta), and at
-    row ``i_c * HV + i_hv`` the chunk's share of dA_log (``[n_chunks * HV]``) and
-    d dt_bias (``[n_chunks * HV, K]``, or ``[n_chunks * HV]`` for the scalar gate).
-    Overwrites ``aqk`` with scale·dAqk and ``solve`` (T on entry) with dA; ``d_cum_rows``
-    (fp32 ``[B, T, HV, K]``) is scratch for phase 1's part of dG."""
+    """Kernel 3, phase 1, for chunk i_c and value head i_hv, on all 64 rows, one value
+    block at a time: everything that goes through S, dS' and T. Writes dv (v's dtype,
+    final), the row-local parts of dq, dk, dG (fp32 ``[B, T, HV, K]``; ``dq``/``dk`` of the
+    l2-normalised rows, per value head) and dbeta (fp32 ``[B, T, HV]``), and overwrites
+    T in ``solve`` with dA and ``aqk`` with scale·dAqk (both ``[C, C]`` fp32, zero above
+    the diagonal, strictly lower for dA)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
@@ -416,17 +414,15 @@ def chunk_bwd_grads_kernel(
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     dot_dtype = q.dtype.element_ty
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    last = tl.minimum(remaining, CHUNK) - 1
+    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
     rows = tl.arange(0, CHUNK)
     in_seq = rows < remaining
     tokens = start + rows
     token_offsets = (tokens * HV + i_hv)[:, None]
     mask_rows_k = in_seq[:, None] & mask_k[None, :]
-    chunk_id = (i_c * HV + i_hv).to(tl.int64)
     square = chunk_id * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
-    last = tl.minimum(remaining, CHUNK) - 1
-    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
-
-    # --- Phase 1: all 64 rows, one value block at a time.
     b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
     b_t = tl.load(solve + square)
     b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
@@ -488,9 +484,38 @@ def chunk_bwd_grads_kernel(
     tl.debug_barrier()  # every thread has read T before dA overwrites it
     tl.store(solve + square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
     tl.store(aqk + square, tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0))
-    tl.debug_barrier()  # the row gradients, dA and dAqk are read back by block
 
-    # --- Phase 2: by 16-row blocks, last first (the reverse cumsum carries forward).
+
+@triton.jit
+def chunk_bwd_pairs_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, aqk, solve, d_cum_rows,
+    lower_bound, length, n_seqs,
+    dq, dk, dg, dbeta, dA_log_part, ddt_part,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Kernel 3, phase 2, for chunk i_c and value head i_hv, by 16-row blocks from the
+    last (the reverse cumsum carries forward): adds the pair terms of A (cotangent dA from
+    ``solve``) and Aqk (scale·dAqk from ``aqk``) to the row gradients of phase 1 and
+    completes them: dq, dk in place (fp32), dg (g's dtype and shape, of the raw gate),
+    dbeta in place (fp32, of the raw beta), and at row ``i_c * HV + i_hv`` the chunk's
+    share of dA_log (``[n_chunks * HV]``) and d dt_bias (``[n_chunks * HV, K]``, or
+    ``[n_chunks * HV]`` for the scalar gate)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    dot_dtype = q.dtype.element_ty
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    last = tl.minimum(remaining, CHUNK) - 1
+    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
     sub = tl.arange(0, BLOCK)
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -706,11 +731,17 @@ def launch_chunk_kda_backward(
     # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
     dA_log_part = torch.zeros(n_chunks, value_heads, **f32)
     ddt_part = torch.zeros(n_chunks, value_heads, *g.shape[3:], **f32)
-    chunk_bwd_grads_kernel[(n_chunks, value_heads)](
-        q, k, v, g, beta, *gate_args, cum_g, w, chunk_states, dstates, grad_o, dv_new,
-        aqk, solve, d_cum, scale, lower, length, n_seqs,
-        dq_hat, dk_hat, dv, dg, dbeta, dA_log_part, ddt_part,
-        V=head_v, BV=min(block_v, 32), **shape, **flags, num_warps=warps,
+    chunk_bwd_wy_kernel[(n_chunks, value_heads)](
+        q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
+        scale, length, n_seqs, aqk, solve, dq_hat, dk_hat, d_cum, dv, dbeta,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=min(block_v, 32),
+        BN=shape["BN"], CHUNK=CHUNK, USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=precision, num_warps=warps,
+    )  # fmt: skip
+    chunk_bwd_pairs_kernel[(n_chunks, value_heads)](
+        q, k, g, beta, *gate_args, cum_g, aqk, solve, d_cum, lower, length, n_seqs,
+        dq_hat, dk_hat, dg, dbeta, dA_log_part, ddt_part, **shape, **flags, num_warps=warps,
     )  # fmt: skip
 
     dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
