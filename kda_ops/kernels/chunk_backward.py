@@ -45,8 +45,11 @@ growing half by e^75 and the block is a dense dot; every other gate takes an exa
 column-by-column path there. Accumulation is fp32; products with S / dS, dO and v_new
 use the input dtype (bf16 tensor cores), products with T use fp32 operands (tf32).
 
-Gradients of q and k come out per value head and l2-normalised; the launcher sums the
-value-head groups and applies the l2norm backward in PyTorch.
+Without grouped value heads (HV == H) kernel 4 also applies the l2norm backward and writes
+dq, dk in the inputs' dtype. With groups, q and k's gradients are sums over the group's
+value heads, which different programs own: kernel 4 writes them per value head (fp32, of
+the l2-normalised rows) and the launcher sums groups and applies the l2norm backward in
+PyTorch.
 """
 
 from typing import Optional
@@ -118,6 +121,17 @@ def _load_beta_rows(beta, tokens, rows_in, i_hv, HV: tl.constexpr,
     if USE_BETA_SIGMOID:
         rows = tl.where(rows_in, tl.sigmoid(rows), 0.0)
     return rows
+
+
+@triton.jit
+def _l2norm_backward(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
+                     d_unit):  # fmt: skip
+    """The gradient of raw rows of q or k ``[R, BK]`` from that of their l2-normalised
+    rows: ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``."""
+    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
+    inv_norm = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) + L2NORM_EPS)
+    unit = raw * inv_norm[:, None]
+    return (d_unit - unit * tl.sum(unit * d_unit, axis=1)[:, None]) * inv_norm[:, None]
 
 
 @triton.jit
@@ -490,7 +504,7 @@ def chunk_bwd_wy_kernel(
 def chunk_bwd_pairs_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, aqk, solve, d_cum_rows,
     lower_bound, length, n_seqs,
-    dq, dk, dg, dbeta, dA_log_part, ddt_part,
+    dq_rows, dk_rows, dq, dk, dg, dbeta, dA_log_part, ddt_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -500,7 +514,9 @@ def chunk_bwd_pairs_kernel(
     """Kernel 3, phase 2, for chunk i_c and value head i_hv, by 16-row blocks from the
     last (the reverse cumsum carries forward): adds the pair terms of A (cotangent dA from
     ``solve``) and Aqk (scale·dAqk from ``aqk``) to the row gradients of phase 1 and
-    completes them: dq, dk in place (fp32), dg (g's dtype and shape, of the raw gate),
+    completes them: dq, dk (with ``HV == H``, of the raw inputs in their dtype and shape;
+    else in place in ``dq_rows`` / ``dk_rows``, per value head, of the l2-normalised rows,
+    fp32), dg (g's dtype and shape, of the raw gate),
     dbeta in place (fp32, of the raw beta), and at row ``i_c * HV + i_hv`` the chunk's
     share of dA_log (``[n_chunks * HV]``) and d dt_bias (``[n_chunks * HV, K]``, or
     ``[n_chunks * HV]`` for the scalar gate)."""
@@ -603,12 +619,20 @@ def chunk_bwd_pairs_kernel(
 
         # Complete this block's rows.
         r_offsets = (r_tok * HV + i_hv)[:, None] * K + offs_k[None, :]
-        r_dq = tl.load(dq + r_offsets, mask=r_mask_k, other=0.0) + row_q
-        r_dk = tl.load(dk + r_offsets, mask=r_mask_k, other=0.0) + row_k + col
+        r_dq = tl.load(dq_rows + r_offsets, mask=r_mask_k, other=0.0) + row_q
+        r_dk = tl.load(dk_rows + r_offsets, mask=r_mask_k, other=0.0) + row_k + col
         r_dcum = tl.load(d_cum_rows + r_offsets, mask=r_mask_k, other=0.0)
         r_dcum += r_q * row_q + r_k * row_k - r_k * col
-        tl.store(dq + r_offsets, r_dq, mask=r_mask_k)
-        tl.store(dk + r_offsets, r_dk, mask=r_mask_k)
+        if HV == H:  # no value-head group to sum first: finish q and k here
+            qk_offsets = (r_tok * H + i_h)[:, None] * K + offs_k[None, :]
+            if USE_L2NORM:
+                r_dq = _l2norm_backward(q, r_tok, r_in, i_h, H, K, offs_k, r_dq)
+                r_dk = _l2norm_backward(k, r_tok, r_in, i_h, H, K, offs_k, r_dk)
+            tl.store(dq + qk_offsets, r_dq.to(dq.dtype.element_ty), mask=r_mask_k)
+            tl.store(dk + qk_offsets, r_dk.to(dk.dtype.element_ty), mask=r_mask_k)
+        else:
+            tl.store(dq_rows + r_offsets, r_dq, mask=r_mask_k)
+            tl.store(dk_rows + r_offsets, r_dk, mask=r_mask_k)
         # G_i = Σ_{s <= i} g_s inside the chunk: dg is the reverse cumsum of dG.
         d_raw = tl.cumsum(r_dcum, axis=0, reverse=True) + d_later[None, :]
         d_later += tl.sum(r_dcum, axis=0)
@@ -725,6 +749,10 @@ def launch_chunk_kda_backward(
     )  # fmt: skip
 
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
+    # Grouped value heads share q and k: their gradients are summed before the l2norm
+    # backward, in PyTorch; without groups the pairs kernel finishes them.
+    grouped = value_heads != heads
+    dq, dk = (None, None) if grouped else (torch.empty_like(q), torch.empty_like(k))
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty(*tokens_shape, **f32)
@@ -741,11 +769,13 @@ def launch_chunk_kda_backward(
     )  # fmt: skip
     chunk_bwd_pairs_kernel[(n_chunks, value_heads)](
         q, k, g, beta, *gate_args, cum_g, aqk, solve, d_cum, lower, length, n_seqs,
-        dq_hat, dk_hat, dg, dbeta, dA_log_part, ddt_part, **shape, **flags, num_warps=warps,
+        dq_hat, dk_hat, dq, dk, dg, dbeta, dA_log_part, ddt_part, **shape, **flags,
+        num_warps=warps,
     )  # fmt: skip
 
-    dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
-    dk = _qk_input_grad(k, dk_hat, use_qk_l2norm)
+    if grouped:
+        dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
+        dk = _qk_input_grad(k, dk_hat, use_qk_l2norm)
     # A fresh empty tensor for each absent input: an op's outputs may not alias.
     d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum(0).to(A_log.dtype)
     d_dt_bias = q.new_empty(0) if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)

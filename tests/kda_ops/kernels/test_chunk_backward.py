@@ -20,11 +20,14 @@ NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True, **shape):
-    """Kernel gradients of random inputs and cotangents vs ``reference.vjp`` in float64."""
+def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True,
+                    value_heads=2, **shape):  # fmt: skip
+    """Kernel gradients of random inputs and cotangents vs ``reference.vjp`` in float64
+    (one q/k head; two value heads by default, a group the launcher sums)."""
     gate, lower_bound, scalar_gate = VARIANTS[variant]
     x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
-                          dtype=torch.float32, heads=1, value_heads=2, **shape)  # fmt: skip
+                          dtype=torch.float32, heads=1, value_heads=value_heads,
+                          **shape)  # fmt: skip
     low = {"q", "k", "v", "g", "beta"}
     inputs = {n: t.to(DEVICE, dtype if n in low else torch.float32) for n, t in vars(x).items()}
     if not gate:
@@ -70,6 +73,12 @@ def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_variants(variant, shape, dtype):
     check_gradients(variant, dtype, head_k=16, head_v=16, **shape)
+
+
+@pytest.mark.parametrize("variant", ["safe_gate", "pregated"])
+def test_ungrouped_heads(variant):
+    """HV == H: the kernel finishes dq and dk itself (l2norm backward included)."""
+    check_gradients(variant, value_heads=1, batch=2, length=70, head_k=16, head_v=16)
 
 
 @pytest.mark.parametrize("length", [1, 20])
