@@ -9,9 +9,10 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 ``v_new = u - w S``, ``O = qg S + Aqk v_new``, ``S' = diag(Γ_C) S + kdᵀ v_new``.
 
 1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads). Recomputes
-   the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the full 64×64
-   inverse T (stored fp32: the backward applies Tᵀ, which block substitution does not
-   give), and w, qg, kd (stored in the input dtype).
+   the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the 64×64 inverse
+   T by block forward substitution (stored fp32: the backward applies Tᵀ, so it needs T
+   itself, not just T applied to the forward's right-hand sides), and w, qg, kd (stored
+   in the input dtype).
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -251,7 +252,7 @@ def chunk_bwd_prepare_kernel(
     """Writes, for the tokens of chunk i_c and value head i_hv: cum_g (fp32
     ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), and at
     ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk (causal part only; blocks above
-    the diagonal are left unwritten) and T (full, zeros above the diagonal)."""
+    the diagonal are left unwritten) and T (likewise)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
@@ -280,7 +281,10 @@ def chunk_bwd_prepare_kernel(
     cum_last = _row(b_cum, rows, last)
     tl.debug_barrier()  # cum_g rows are re-read by block below
 
-    # --- A (into T's buffer, solved below) and Aqk, by 16-row blocks.
+    # --- Aqk, A and T = (I + A)⁻¹ by 16-row blocks: row block I of A goes to T's buffer,
+    # then T_IJ = -T_II Σ_{J <= L < I} A_IL T_LJ overwrites it for J = 0, 1, ... (a block
+    # is overwritten only once no later J needs it). Blocks above the diagonal stay
+    # unwritten (masked on load).
     sub = tl.arange(0, BLOCK)
     for i_b in range(0, CHUNK // BLOCK):
         r_tok = start + i_b * BLOCK + sub
@@ -311,18 +315,26 @@ def chunk_bwd_prepare_kernel(
             d_qk, d_kk = _exact_diagonal_pairs(r_q, r_k, r_cum, sub, BLOCK)
         causal = sub[:, None] >= sub[None, :]
         strict = sub[:, None] > sub[None, :]
-        tl.store(solve + block_rows + i_b * BLOCK, tl.where(strict, r_beta[:, None] * d_kk, 0.0))
         tl.store(aqk + block_rows + i_b * BLOCK, tl.where(causal, scale * d_qk, 0.0))
-    tl.debug_barrier()  # A is read back whole
-
-    # --- T = (I + A)⁻¹ over the whole chunk (A's blocks above the diagonal are unwritten).
-    square = matrix + rows[:, None] * CHUNK + rows[None, :]
-    a = tl.load(solve + square, mask=rows[:, None] > rows[None, :], other=0.0)
-    b_t = _inverse_unit_lower(a, CHUNK)
-    tl.debug_barrier()  # every thread has read A before T overwrites it
-    tl.store(solve + square, b_t)
+        t_diag = _inverse_unit_lower(tl.where(strict, r_beta[:, None] * d_kk, 0.0), BLOCK)
+        tl.debug_barrier()  # this row block of A is read by every thread below
+        for j_b in range(0, i_b):
+            acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+            for l_b in range(j_b, i_b):
+                a_il = tl.load(solve + block_rows + l_b * BLOCK)
+                t_lj = tl.load(solve + matrix + (l_b * BLOCK + sub)[:, None] * CHUNK
+                               + j_b * BLOCK + sub[None, :])  # fmt: skip
+                acc += tl.dot(a_il, t_lj, input_precision=DOT_PRECISION)
+            t_ij = -tl.dot(t_diag, acc, input_precision=DOT_PRECISION)
+            tl.debug_barrier()  # every thread has read A_IJ
+            tl.store(solve + block_rows + j_b * BLOCK, t_ij)
+        tl.store(solve + block_rows + i_b * BLOCK, t_diag)
+        tl.debug_barrier()  # this row block of T is read by the next ones
 
     # --- What the state scan reads: w = T β (K̂ ⊙ Γ), qg = scale Q̂ ⊙ Γ, kd = K̂ ⊙ Γ_C / Γ.
+    causal_chunk = rows[:, None] >= rows[None, :]
+    b_t = tl.load(solve + matrix + rows[:, None] * CHUNK + rows[None, :], mask=causal_chunk,
+                  other=0.0)  # fmt: skip
     b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
     b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
     b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
@@ -438,7 +450,7 @@ def chunk_bwd_wy_kernel(
     mask_rows_k = in_seq[:, None] & mask_k[None, :]
     square = chunk_id * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
     b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
-    b_t = tl.load(solve + square)
+    b_t = tl.load(solve + square, mask=rows[:, None] >= rows[None, :], other=0.0)
     b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
     d_qg = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO Sᵀ
     d_kd = tl.zeros([CHUNK, BK], dtype=tl.float32)  # v_new dS'ᵀ
