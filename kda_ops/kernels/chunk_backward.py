@@ -36,8 +36,8 @@ u and v_new are recomputed in kernel 3 (one C × C and one C × K product per va
 rather than stored. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes
 over T's buffer and scale·dAqk over Aqk's (neither is needed any more), the row-local
 gradients into the fp32 dq / dk / dbeta outputs (completed in place) and a dG scratch.
-Splitting kernels 3 and 4 keeps each within the register file (their phases only
-communicate through memory).
+Kernels 3 and 4 are separate because they only communicate through memory anyway, and
+apart each needs fewer registers.
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -419,16 +419,16 @@ def chunk_bwd_state_kernel(
 def chunk_bwd_wy_kernel(
     q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
     scale, length, n_seqs,
-    aqk, solve, dq, dk, d_cum_rows, dv, dbeta,
+    aqk, solve, dq_rows, dk_rows, d_cum_rows, dv, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Kernel 3, phase 1, for chunk i_c and value head i_hv, on all 64 rows, one value
-    block at a time: everything that goes through S, dS' and T. Writes dv (v's dtype,
-    final), the row-local parts of dq, dk, dG (fp32 ``[B, T, HV, K]``; ``dq``/``dk`` of the
-    l2-normalised rows, per value head) and dbeta (fp32 ``[B, T, HV]``), and overwrites
+    """For chunk i_c and value head i_hv, on all 64 rows, one value block at a time:
+    everything that goes through S, dS' and T. Writes dv (v's dtype, final), the row-local
+    parts of dq, dk (of the l2-normalised rows, per value head), dG (all three fp32
+    ``[B, T, HV, K]``) and dbeta (fp32 ``[B, T, HV]``), and overwrites
     T in ``solve`` with dA and ``aqk`` with scale·dAqk (both ``[C, C]`` fp32, zero above
     the diagonal, strictly lower for dA)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -503,8 +503,8 @@ def chunk_bwd_wy_kernel(
     d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
     d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
     k_offsets = token_offsets * K + offs_k[None, :]
-    tl.store(dq + k_offsets, d_q, mask=mask_rows_k)
-    tl.store(dk + k_offsets, d_k, mask=mask_rows_k)
+    tl.store(dq_rows + k_offsets, d_q, mask=mask_rows_k)
+    tl.store(dk_rows + k_offsets, d_k, mask=mask_rows_k)
     tl.store(d_cum_rows + k_offsets, d_cum, mask=mask_rows_k)
     tl.store(dbeta + tokens * HV + i_hv, d_beta, mask=in_seq)
     tl.debug_barrier()  # every thread has read T before dA overwrites it
@@ -523,15 +523,15 @@ def chunk_bwd_pairs_kernel(
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Kernel 3, phase 2, for chunk i_c and value head i_hv, by 16-row blocks from the
-    last (the reverse cumsum carries forward): adds the pair terms of A (cotangent dA from
-    ``solve``) and Aqk (scale·dAqk from ``aqk``) to the row gradients of phase 1 and
+    """For chunk i_c and value head i_hv, by 16-row blocks from the last (the reverse
+    cumsum carries forward): adds the pair terms of A (cotangent dA from ``solve``) and
+    Aqk (scale·dAqk from ``aqk``) to the row gradients of ``chunk_bwd_wy_kernel`` and
     completes them: dq, dk (with ``HV == H``, of the raw inputs in their dtype and shape;
     else in place in ``dq_rows`` / ``dk_rows``, per value head, of the l2-normalised rows,
-    fp32), dg (g's dtype and shape, of the raw gate),
-    dbeta in place (fp32, of the raw beta), and at row ``i_c * HV + i_hv`` the chunk's
-    share of dA_log (``[n_chunks * HV]``) and d dt_bias (``[n_chunks * HV, K]``, or
-    ``[n_chunks * HV]`` for the scalar gate)."""
+    fp32), dg (g's dtype and shape, of the raw gate), dbeta in place (fp32, of the raw
+    beta), and at row ``i_c * HV + i_hv`` the chunk's share of dA_log
+    (``[n_chunks * HV]``) and d dt_bias (``[n_chunks * HV, K]``, or ``[n_chunks * HV]``
+    for the scalar gate)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
@@ -602,11 +602,12 @@ def chunk_bwd_pairs_kernel(
             col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), (l_q * l_decay).to(dot_dtype),
                               input_precision=DOT_PRECISION)  # fmt: skip
             col += col_ref * tl.exp(l_ref[None, :] - r_cum)
-        # The diagonal block.
+        # The diagonal block: dense dots at ref under the safe gate (growing factors stay
+        # below e^75), else exact column by column.
         d_a_blk = tl.load(solve + block_rows + i_b * BLOCK + sub[None, :])
         m_q = tl.load(aqk + block_rows + i_b * BLOCK + sub[None, :])
         m_a = r_beta[:, None] * d_a_blk
-        if SAFE_GATE:  # growing factors stay below e^75
+        if SAFE_GATE:
             r_k_inv = (r_k * tl.exp(ref[None, :] - r_cum)).to(dot_dtype)
             row_k += tl.dot(m_a.to(dot_dtype), r_k_inv, input_precision=DOT_PRECISION)
             row_q += tl.dot(m_q.to(dot_dtype), r_k_inv, input_precision=DOT_PRECISION)
@@ -616,11 +617,9 @@ def chunk_bwd_pairs_kernel(
             col_ref = tl.dot(tl.trans(m_a.to(dot_dtype)), r_k_ref, input_precision=DOT_PRECISION)
             col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), r_q_ref, input_precision=DOT_PRECISION)
             col += col_ref * tl.exp(ref[None, :] - r_cum)
-            row_k *= tl.exp(r_cum - ref[None, :])
-            row_q *= tl.exp(r_cum - ref[None, :])
-        else:
-            row_k *= tl.exp(r_cum - ref[None, :])
-            row_q *= tl.exp(r_cum - ref[None, :])
+        row_k *= tl.exp(r_cum - ref[None, :])
+        row_q *= tl.exp(r_cum - ref[None, :])
+        if not SAFE_GATE:
             diag_k, diag_q, diag_col, diag_dbeta = _exact_diagonal_grads(
                 m_a, m_q, d_a_blk, r_q, r_k, r_cum, sub, BLOCK
             )
