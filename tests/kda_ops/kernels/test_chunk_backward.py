@@ -97,3 +97,9 @@ def test_varlen_and_padded_head_dims():
 def test_varlen_exact_diagonal():
     check_gradients("softplus_gate", cu_seqlens=[0, 40, 100], length=100, n_seqs=2,
                     head_k=8, head_v=24)  # fmt: skip
+
+
+def test_several_value_blocks():
+    """V = 40: two value blocks of 32 (the second partly masked) in the scan's grid and in
+    the WY kernel's loop over V; K = 24 pads to 32."""
+    check_gradients("safe_gate", length=70, head_k=24, head_v=40)
