@@ -737,6 +737,11 @@ def launch_chunk_kda_backward(
     gate_args = (A_log, dt_bias, cu_seqlens, offsets)
     lower = 0.0 if lower_bound is None else lower_bound
     warps = 4 if block_k <= 64 else 8
+    # Shared memory (227 KB a block on Hopper) holds the loops' pipelined tiles: fp32
+    # tiles are twice as large, so fp32 inputs (the accuracy path) are not pipelined, and
+    # K > 128 halves the WY kernel's value block (ptxas: every config within 140 KB).
+    launch = dict(num_warps=warps, num_stages=1 if q.dtype == torch.float32 else 2)
+    wy_block_v = min(block_v, 32 if block_k <= 128 else 16)
 
     tokens_shape = (batch, length, value_heads)
     cum_g = torch.empty(*tokens_shape, head_k, **f32)
@@ -744,7 +749,7 @@ def launch_chunk_kda_backward(
     aqk, solve = torch.empty(2, n_chunks, value_heads, CHUNK, CHUNK, **f32)
     chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
         q, k, g, beta, *gate_args, scale, lower, length, n_seqs,
-        cum_g, w, qg, kd, aqk, solve, **shape, **flags, num_warps=warps,
+        cum_g, w, qg, kd, aqk, solve, **shape, **flags, **launch,
     )  # fmt: skip
 
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
@@ -756,7 +761,8 @@ def launch_chunk_kda_backward(
         dv_new, dstates, d_initial,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, num_warps=8,  # ptxas: no spills at K = 128 (800 B at 4)
+        DOT_PRECISION=precision,
+        **dict(launch, num_warps=8),  # ptxas: no spills at K = 128 (800 B at 4 warps)
     )  # fmt: skip
 
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
@@ -773,15 +779,15 @@ def launch_chunk_kda_backward(
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
         scale, length, n_seqs, aqk, solve, dq_hat, dk_hat, d_cum, dv, dbeta,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=min(block_v, 32),
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=wy_block_v,
         BN=shape["BN"], CHUNK=CHUNK, USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, num_warps=warps,
+        DOT_PRECISION=precision, **launch,
     )  # fmt: skip
     chunk_bwd_pairs_kernel[(n_chunks, value_heads)](
         q, k, g, beta, *gate_args, cum_g, aqk, solve, d_cum, lower, length, n_seqs,
         dq_hat, dk_hat, dq, dk, dg, dbeta, dA_log_part, ddt_part, **shape, **flags,
-        num_warps=warps,
+        **launch,
     )  # fmt: skip
 
     if grouped:
