@@ -268,3 +268,16 @@ def test_chunk_backward_against_fla(lower_bound):
               for name in GRAD_TOLERANCE if peer[name] is not None}  # fmt: skip
     assert {"q", "k", "v", "g", "beta", "initial_state"} <= errors.keys(), errors
     assert all(errors[n] < GRAD_TOLERANCE[n] for n in errors), errors
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_backward_extreme_gates_are_finite(lower_bound):
+    """Saturated gates in bf16; at +30 the safe gate decays by its bound (-5) every token,
+    the largest in-block factors (e^75) the dense diagonal path allows."""
+    for sign in (1, -1):
+        x, kwargs = chunk_inputs(300, 2, lower_bound)
+        x["g"] = torch.full_like(x["g"], 30.0 * sign)
+        state = torch.randn(1, 2, 128, 128, device="cuda")
+        grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, torch.randn_like(x["v"]),
+                                torch.randn_like(state), **kwargs)  # fmt: skip
+        assert all(t.isfinite().all() for t in grads.values())

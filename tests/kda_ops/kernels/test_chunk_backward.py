@@ -21,15 +21,17 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True,
-                    value_heads=2, **shape):  # fmt: skip
+                    value_heads=2, gate_shift=0.0, **shape):  # fmt: skip
     """Kernel gradients of random inputs and cotangents vs ``reference.vjp`` in float64
-    (one q/k head; two value heads by default, a group the launcher sums)."""
+    (one q/k head; two value heads by default, a group the launcher sums; ``gate_shift``
+    is added to the raw gate)."""
     gate, lower_bound, scalar_gate = VARIANTS[variant]
     x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
                           dtype=torch.float32, heads=1, value_heads=value_heads,
                           **shape)  # fmt: skip
     low = {"q", "k", "v", "g", "beta"}
     inputs = {n: t.to(DEVICE, dtype if n in low else torch.float32) for n, t in vars(x).items()}
+    inputs["g"] = inputs["g"] + gate_shift
     if not gate:
         inputs["A_log"] = inputs["dt_bias"] = None
     if not initial_state:
@@ -53,6 +55,7 @@ def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state
             assert grad.numel() == 0, name
             continue
         assert grad.shape == primal.shape and grad.dtype == primal.dtype, name
+        assert grad.isfinite().all(), name
         # Some gradients are exactly zero (a lone token's decay multiplies a zero state):
         # there, rounding noise is judged against the tolerance in absolute terms.
         tolerance = TOLERANCE[dtype]
@@ -103,3 +106,11 @@ def test_several_value_blocks():
     """V = 40: two value blocks of 32 (the second partly masked) in the scan's grid and in
     the WY kernel's loop over V; K = 24 pads to 32."""
     check_gradients("safe_gate", length=70, head_k=24, head_v=40)
+
+
+@pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate"])
+@pytest.mark.parametrize("gate_shift", [-30.0, 30.0])
+def test_extreme_gates(variant, gate_shift):
+    """Saturated gates: no decay at all, or (softplus at +30) the state forgotten at every
+    token, where every decay factor underflows."""
+    check_gradients(variant, gate_shift=gate_shift, length=40, head_k=16, head_v=16)
