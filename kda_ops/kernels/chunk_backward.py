@@ -698,7 +698,12 @@ def launch_chunk_kda_backward(
     ``grad_o`` ``[B, T, HV, V]`` (v's dtype) and ``grad_final_state`` ``[N, HV, K, V]``
     fp32. Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state), each
     in its input's dtype and shape; an absent optional input gets an empty tensor
-    (``kda::delta_rule_backward``'s convention)."""
+    (``kda::delta_rule_backward``'s convention). No host sync, varlen included.
+
+    Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
+    gradients (fp32 ``[R, HV, K, V]`` each), G, dv_new, three row-gradient buffers (fp32
+    ``[B, T, HV, K or V]``), w, qg, kd (input dtype) and Aqk, T (fp32 ``[R, HV, 64, 64]``);
+    at B = 1, T = 8192, HV = 64, K = V = 128 about 3 GB besides the outputs."""
     q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
     batch, length, heads, head_k = q.shape
@@ -765,6 +770,7 @@ def launch_chunk_kda_backward(
         **dict(launch, num_warps=8),  # ptxas: no spills at K = 128 (800 B at 4 warps)
     )  # fmt: skip
 
+    del qg, kd  # only the scan reads them
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     # Grouped value heads share q and k: their gradients are summed before the l2norm
     # backward, in PyTorch; without groups the pairs kernel finishes them.
