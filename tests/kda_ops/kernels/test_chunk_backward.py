@@ -21,13 +21,13 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True,
-                    value_heads=2, gate_shift=0.0, **shape):  # fmt: skip
+                    heads=1, value_heads=2, gate_shift=0.0, **shape):  # fmt: skip
     """Kernel gradients of random inputs and cotangents vs ``reference.vjp`` in float64
-    (one q/k head; two value heads by default, a group the launcher sums; ``gate_shift``
-    is added to the raw gate)."""
+    (by default one q/k head and two value heads, a group the launcher sums;
+    ``gate_shift`` is added to the raw gate)."""
     gate, lower_bound, scalar_gate = VARIANTS[variant]
     x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
-                          dtype=torch.float32, heads=1, value_heads=value_heads,
+                          dtype=torch.float32, heads=heads, value_heads=value_heads,
                           **shape)  # fmt: skip
     low = {"q", "k", "v", "g", "beta"}
     inputs = {n: t.to(DEVICE, dtype if n in low else torch.float32) for n, t in vars(x).items()}
@@ -82,6 +82,11 @@ def test_variants(variant, shape, dtype):
 def test_ungrouped_heads(variant):
     """HV == H: the kernel finishes dq and dk itself (l2norm backward included)."""
     check_gradients(variant, value_heads=1, batch=2, length=70, head_k=16, head_v=16)
+
+
+def test_several_groups():
+    """H = 2 q/k heads, each shared by two of HV = 4 value heads."""
+    check_gradients("gdn", heads=2, value_heads=4, length=20, head_k=16, head_v=16)
 
 
 @pytest.mark.parametrize("length", [1, 20])
