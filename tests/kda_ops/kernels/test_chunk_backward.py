@@ -1,4 +1,5 @@
-"""The three-kernel chunked backward against autograd through the float64 reference."""
+"""The chunked backward (``launch_chunk_kda_backward``) against autograd through the float64
+reference."""
 
 import pytest
 import torch
@@ -103,6 +104,7 @@ def test_varlen_and_padded_head_dims():
 
 
 def test_varlen_exact_diagonal():
+    """Packed sequences through the exact (column-by-column) diagonal-block path."""
     check_gradients("softplus_gate", cu_seqlens=[0, 40, 100], length=100, n_seqs=2,
                     head_k=8, head_v=24)  # fmt: skip
 
