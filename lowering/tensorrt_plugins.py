@@ -117,7 +117,8 @@ SPECS: dict[str, PluginSpec] = {
     "recurrent": _delta_spec("recurrent"),
     "chunk": _delta_spec("chunk"),
     "chunk_prepare": PluginSpec(PLUGINS["chunk_prepare"], DELTA_ATTRIBUTES, _delta_config, {
-        "cum_g": Output(_tokens("q"), None), "w": Output(_tokens("q"), "q"),
+        "chunk_decay": Output(lambda s: (chunk_count(s), s["v"][2], s["q"][-1]), None),
+        "w": Output(_tokens("q"), "q"),
         "u": Output(_tokens("v"), "q"), "qg": Output(_tokens("q"), "q"),
         "kd": Output(_tokens("q"), "q"),
         "aqk": Output(lambda s: (chunk_count(s), s["v"][2], 64, 64), "q"),
@@ -331,7 +332,7 @@ def plugin_chain(op: str, bound: Mapping[str, Any]) -> list[tuple[str, dict, dic
     if op == "recurrent":
         return [("recurrent", {**delta, "state_in": "initial_state"}, delta_attributes(bound))]
     if op == "chunk":
-        carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+        carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
         recurrence = {**carried, "initial_state": "initial_state"}
         return [("chunk_prepare", delta, delta_attributes(bound)),
                 ("chunk_recurrence", recurrence, {})]  # fmt: skip

@@ -81,7 +81,7 @@ def test_chunk_plugin_chain_matches_reference(batch, length):
     state = inputs.pop("state_in")
     prepared = launch_like_tensorrt("chunk_prepare", inputs, DELTA_ATTRS)
     assert prepared["aqk"].shape[0] == batch * math.ceil(length / 64)
-    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
     got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
                                {})  # fmt: skip
     o, final = _delta_reference({**inputs, "state_in": state})
@@ -153,7 +153,7 @@ PLUGIN_SHAPES = {  # input shapes with B, T symbolic ("B", "T") and the rest sta
                       g=("B", "T", 2, 16), beta=("B", "T", 2), A_log=(2,), dt_bias=(32,),
                       state_in=("B", 2, 16, 16)),
     "chunk_recurrence": dict(w=("B", "T", 2, 16), u=("B", "T", 2, 16), qg=("B", "T", 2, 16),
-                             kd=("B", "T", 2, 16), aqk=("B", 2, 64, 64), cum_g=("B", "T", 2, 16),
+                             kd=("B", "T", 2, 16), aqk=("B", 2, 64, 64), chunk_decay=("B", 2, 16),
                              initial_state=("B", 2, 16, 16)),
     "causal_conv1d_output": dict(x=("B", "T", 8), weight=(8, 4), bias=(8,), state=("B", 8, 3)),
     "causal_conv1d_state": dict(x=("B", "T", 8), state_in=("B", 8, 3)),
