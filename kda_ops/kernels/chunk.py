@@ -1,22 +1,24 @@
 """Chunkwise KDA / Gated DeltaNet forward in two kernels, as FlashKDA splits it.
 
 1. ``chunk_prepare_kernel``, token-parallel (grid: chunks × value heads). Per chunk of
-   C = 64 tokens: gate activation and in-chunk cumulative log-decay G (stored, fp32),
-   l2norm of q and k, beta sigmoid, the UT/WY solve by 16-row blocks, and what the
-   recurrence needs: ``w = T β (K ⊙ Γ)``, ``u = T β V``, ``qg = scale Q ⊙ Γ``,
-   ``kd = K ⊙ Γ_C / Γ`` and ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)``, where Γ = exp(G) and
-   ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
+   C = 64 tokens, in four row blocks of 16: gate activation and in-chunk cumulative
+   log-decay G, l2norm of q and k, beta sigmoid, and the UT/WY solve by block forward
+   substitution, every solved block kept in registers. It stores what the recurrence
+   needs: ``w = T β (K ⊙ Γ)``, ``u = T β V``, ``qg = scale Q ⊙ Γ``, ``kd = K ⊙ Γ_C / Γ``,
+   ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and the chunk's total log-decay G_C (fp32), where
+   Γ = exp(G) and ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
 2. ``chunk_recurrence_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks with the fp32 state S in registers: ``v_new = u - w S``,
    ``o = qg S + Aqk v_new``, ``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are written
    to memory only when asked (``STORE_CHUNK_STATES``: the state at each chunk start, what
    a prefix cache stores, ``[n_chunks, HV, K, V]`` fp32 at the chunk's global number).
 
-Decay ratios exp(G_i - G_j) are formed against a reference row p with j <= p <= i, so
-each factor is at most 1, except inside a 16-row diagonal block. There, with the safe
-gate (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, one reference at the block start
-keeps every factor below e^80 (inside fp32 and bf16 range) and the block is a dense dot;
-any other gate, and fp16, takes the exact token-by-token path for diagonal blocks.
+Decay ratios exp(G_i - G_j) between blocks are split at block boundaries into factors of
+at most 1 (row side decayed from its block's start, column side to its block's end, and
+the gap between the two blocks). Inside a diagonal block, with the safe gate
+(``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
+most e^80 (inside fp32 and bf16 range) and the block is one dense dot; any other gate,
+and fp16, takes the exact token-by-token path for diagonal blocks.
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -24,8 +26,7 @@ last chunk exit.
 
 Both kernels order their parameters inputs → scalars → outputs and write every output
 element the next kernel reads (``Aqk`` above the diagonal is masked on load, never
-zero-filled), so they run as TensorRT AOT plugins (``lowering/tensorrt.py``).
-"""
+zero-filled), so they run as TensorRT AOT plugins (``lowering/tensorrt.py``)."""
 
 from typing import Optional
 
@@ -80,18 +81,40 @@ def _inverse_unit_lower(a):
 
 
 @triton.jit
-def _load_gate(g, A_log, dt_bias, lower_bound, tokens, in_seq, i_hv, offs_k, mask_k,
-               HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-               USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Activated log-decay of a row block, [BLOCK, BK] fp32; 0 on padding rows."""
+def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask_k, offs_v,
+                mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                SCALAR_GATE: tl.constexpr):  # fmt: skip
+    """Raw inputs of row block i_b, in their storage dtype, zero past the sequence's end:
+    g ([BLOCK, BK], or [BLOCK] for a scalar gate), q, k ([BLOCK, BK]), v ([BLOCK, BV]),
+    beta ([BLOCK]). The kernel issues all four blocks' loads before any math, so their
+    latencies overlap instead of stalling each block in turn."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
     mask = in_seq[:, None] & mask_k[None, :]
+    value_rows = (tokens * HV + i_hv)[:, None]
     if SCALAR_GATE:
-        b_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0).to(tl.float32)[:, None]
-        b_g = b_g + tl.zeros([BLOCK, BK], dtype=tl.float32)
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
     else:
-        b_g = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :], mask=mask,
-                      other=0.0).to(tl.float32)  # fmt: skip
+        raw_g = tl.load(g + value_rows * K + offs_k[None, :], mask=mask, other=0.0)
+    key_rows = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
+    r_q = tl.load(q + key_rows, mask=mask, other=0.0)
+    r_k = tl.load(k + key_rows, mask=mask, other=0.0)
+    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=in_seq[:, None] & mask_v[None, :],
+                  other=0.0)  # fmt: skip
+    r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    return raw_g, r_q, r_k, r_v, r_beta
+
+
+@triton.jit
+def _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k,
+                   K: tl.constexpr, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
+                   USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Activated log-decay of a row block, [BLOCK, BK] fp32; 0 on padding rows."""
+    b_g = raw_g.to(tl.float32)
+    if SCALAR_GATE:
+        b_g = b_g[:, None] + tl.zeros([BLOCK, BK], dtype=tl.float32)
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_DT_BIAS:
@@ -103,31 +126,28 @@ def _load_gate(g, A_log, dt_bias, lower_bound, tokens, in_seq, i_hv, offs_k, mas
             b_g = lower_bound * tl.sigmoid(rate * b_g)
         else:
             b_g = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
-    return tl.where(mask, b_g, 0.0)
+    return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
 
 
 @triton.jit
-def _load_rows(x, tokens, in_seq, head, heads, offs, mask_cols, dim: tl.constexpr,
-               USE_L2NORM: tl.constexpr):  # fmt: skip
-    """Rows ``x[tokens, head, :]`` as fp32 [BLOCK, BD], optionally l2-normalised."""
-    mask = in_seq[:, None] & mask_cols[None, :]
-    rows = tl.load(x + (tokens * heads + head)[:, None] * dim + offs[None, :], mask=mask,
-                   other=0.0).to(tl.float32)  # fmt: skip
+def _unit_rows(rows, USE_L2NORM: tl.constexpr):
+    """fp32 rows, l2-normalised when asked (FLA's eps inside the square root)."""
+    rows = rows.to(tl.float32)
     if USE_L2NORM:
         rows = rows / tl.sqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)[:, None]
     return rows
 
 
 @triton.jit
-def _diagonal_block(r_q, r_k, local, DOT_DTYPE: tl.constexpr, SAFE_GATE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _diagonal_block(r_q, r_k, q_in, k_in, local, DOT_DTYPE: tl.constexpr,
+                    SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
-    ``local`` being the cumulative log-decay from the block's start. Entries above the
-    diagonal are left for the caller to mask."""
+    ``local`` being the cumulative log-decay from the block's start and ``q_in``, ``k_in``
+    the rows decayed by it. Entries above the diagonal are left for the caller to mask."""
     if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
         to_col = tl.trans((r_k * tl.exp(-local)).to(DOT_DTYPE))
-        kk = tl.dot((r_k * tl.exp(local)).to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
-        qk = tl.dot((r_q * tl.exp(local)).to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
+        kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
+        qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
     else:  # exact pairs, one column at a time
         sub = tl.arange(0, BLOCK)
         kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
@@ -144,15 +164,16 @@ def _diagonal_block(r_q, r_k, local, DOT_DTYPE: tl.constexpr, SAFE_GATE: tl.cons
 
 
 @triton.jit
-def _open_block(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
-                i_b, i_h, i_hv, decay_before, offs_k, mask_k, offs_v, mask_v, qg, aqk_rows,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BK: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
-                USE_BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Row block i_b of the chunk, given the chunk's cumulative log-decay before it
-    (``decay_before``, [BK]). Stores its qg rows and its diagonal Aqk tile; returns
+def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound, start,
+                remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows,
+                HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
+                USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
+                USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
+    cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
+    diagonal Aqk tile; returns
 
     - ``k_in``, ``q_in``: k and q decayed from the block start (factors <= 1),
     - ``k_out``: k decayed to the block end (factors <= 1), the column side of later blocks,
@@ -163,26 +184,26 @@ def _open_block(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, rem
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    b_g = _load_gate(g, A_log, dt_bias, lower_bound, tokens, in_seq, i_hv, offs_k, mask_k, HV,
-                     K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    b_g = _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K,
+                         BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     local = tl.cumsum(b_g, axis=0)  # padding rows add no decay
     block_decay = tl.sum(b_g, axis=0)
-    r_q = _load_rows(q, tokens, in_seq, i_h, H, offs_k, mask_k, K, USE_L2NORM)
-    r_k = _load_rows(k, tokens, in_seq, i_h, H, offs_k, mask_k, K, USE_L2NORM)
-    r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0).to(tl.float32)
+    r_q = _unit_rows(r_q, USE_L2NORM)
+    r_k = _unit_rows(r_k, USE_L2NORM)
+    r_beta = r_beta.to(tl.float32)
     if USE_BETA_SIGMOID:
         r_beta = tl.where(in_seq, tl.sigmoid(r_beta), 0.0)
-    r_v = tl.load(v + (tokens * HV + i_hv)[:, None] * V + offs_v[None, :],
-                  mask=in_seq[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # fmt: skip
-
-    qk, kk = _diagonal_block(r_q, r_k, local, q.dtype.element_ty, SAFE_GATE, DOT_PRECISION)
-    qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
-    tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
-    a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
+    r_v = r_v.to(tl.float32)
 
     from_start = tl.exp(local)
     k_in = r_k * from_start
     q_in = r_q * from_start
+    qk, kk = _diagonal_block(r_q, r_k, q_in, k_in, local, qg.dtype.element_ty, SAFE_GATE,
+                             DOT_PRECISION)  # fmt: skip
+    qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
+    tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
+    a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
+
     k_out = r_k * tl.exp(block_decay[None, :] - local)
     to_chunk_start = tl.exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
@@ -214,15 +235,16 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
 
 @triton.jit
 def _solve_block(a_kk, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):  # fmt: skip
+                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
     """w, u rows of a block, ``(I + a_kk)⁻¹`` times the eliminated right-hand sides;
     stored, and returned in the storage dtype for the later blocks."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
     inverse = _inverse_unit_lower(a_kk)
-    b_w = tl.dot(inverse, rhs_w, input_precision="ieee").to(w.dtype.element_ty)
-    b_u = tl.dot(inverse, rhs_u, input_precision="ieee").to(u.dtype.element_ty)
+    b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
+    b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
     rows = (tokens * HV + i_hv)[:, None]
     tl.store(w + rows * K + offs_k[None, :], b_w, mask=in_seq[:, None] & mask_k[None, :])
     tl.store(u + rows * V + offs_v[None, :], b_u, mask=in_seq[:, None] & mask_v[None, :])
@@ -269,42 +291,47 @@ def chunk_prepare_kernel(
 
     # The four row blocks, unrolled so every solved block stays in registers.
     # fmt: off
+    g0, q0, k0, v0, beta0 = _load_block(q, k, v, g, beta, start, remaining, 0, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g1, q1, k1, v1, beta1 = _load_block(q, k, v, g, beta, start, remaining, 1, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g2, q2, k2, v2, beta2 = _load_block(q, k, v, g, beta, start, remaining, 2, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g3, q3, k3, v3, beta3 = _load_block(q, k, v, g, beta, start, remaining, 3, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+
     decay0 = tl.zeros([BK], dtype=tl.float32)
     _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
-        q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining, 0, i_h, i_hv,
-        decay0, offs_k, mask_k, offs_v, mask_v, qg, aqk_rows, H, HV, K, V, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
+        g0, q0, k0, v0, beta0, A_log, dt_bias, scale, lower_bound, start, remaining, 0,
+        i_hv, decay0, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     w0, u0 = _solve_block(a0, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V)
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
-        q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining, 1, i_h, i_hv,
-        decay1, offs_k, mask_k, offs_v, mask_v, qg, aqk_rows, H, HV, K, V, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
+        g1, q1, k1, v1, beta1, A_log, dt_bias, scale, lower_bound, start, remaining, 1,
+        i_hv, decay1, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0, rhs_w1,
                                 rhs_u1, aqk_rows + tile, scale, DOT_PRECISION)
     w1, u1 = _solve_block(a1, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V)
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
-        q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining, 2, i_h, i_hv,
-        decay2, offs_k, mask_k, offs_v, mask_v, qg, aqk_rows, H, HV, K, V, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
+        g2, q2, k2, v2, beta2, A_log, dt_bias, scale, lower_bound, start, remaining, 2,
+        i_hv, decay2, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0, rhs_w2,
                                 rhs_u2, aqk_rows + 2 * tile, scale, DOT_PRECISION)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1, rhs_w2,
                                 rhs_u2, aqk_rows + 2 * tile + BLOCK, scale, DOT_PRECISION)
     w2, u2 = _solve_block(a2, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V)
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
-        q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining, 3, i_h, i_hv,
-        decay3, offs_k, mask_k, offs_v, mask_v, qg, aqk_rows, H, HV, K, V, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
+        g3, q3, k3, v3, beta3, A_log, dt_bias, scale, lower_bound, start, remaining, 3,
+        i_hv, decay3, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0, rhs_w3,
                                 rhs_u3, aqk_rows + 3 * tile, scale, DOT_PRECISION)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1, rhs_w3,
@@ -312,7 +339,7 @@ def chunk_prepare_kernel(
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2, rhs_w3,
                                 rhs_u3, aqk_rows + 3 * tile + 2 * BLOCK, scale, DOT_PRECISION)
     _solve_block(a3, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
-                 mask_v, HV, K, V)
+                 mask_v, HV, K, V, DOT_PRECISION)
 
     # kd needs the decay at the chunk's end, known only now.
     tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay4, mask=mask_k)
@@ -387,6 +414,20 @@ def chunk_recurrence_kernel(
     tl.store(final_state + state_offsets, state, mask=state_mask)
 
 
+def _recurrence_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
+    """Value columns per recurrence program: the fewest that still leave every program an
+    SM of its own. Each program walks all chunks serially, so splitting V only pays while
+    SMs are idle (H200, T = 8192, 4 warps: H = 64 takes 371 µs at 64 columns and 660 µs at
+    128; H = 96 takes 602 µs at 128 and 685 µs at 64)."""
+    if device.type != "cuda":
+        return min(block_v, 64)
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    for columns in (32, 64):
+        if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
+            return columns
+    return block_v
+
+
 def launch_chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -449,15 +490,15 @@ def launch_chunk_kda(
         USE_LOWER_BOUND=lower_bound is not None and A_log is not None, SAFE_GATE=safe,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-        num_warps=4 if block_k <= 64 else 8,
+        # At 8 warps a 128-register cap fits two programs per SM: 3.03 ms against 3.38 ms
+        # uncapped (H200, T = 8192, H = 96, bf16).
+        num_warps=4 if block_k <= 64 else 8, maxnreg=128,
     )  # fmt: skip
     o = torch.empty_like(v)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
-    # 64 value columns per program at 4 warps: on an H200 (T = 8192, H = 96) 687 µs,
-    # against 864 µs for 32 columns and 929 µs for 64 columns at 8 warps.
-    split_v = min(block_v, 64)
+    split_v = _recurrence_columns(block_v, n_seqs * value_heads, q.device)
     chunk_recurrence_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
