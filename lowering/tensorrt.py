@@ -12,10 +12,9 @@ flag into constexprs, and gives the launch grid from shapes alone.
 Plugins (namespace ``kda``, the op types of ``lowering.onnx``'s plugin mode):
 
 - ``recurrent``: one kernel, ``recurrent_kda_kernel`` (any T; T = 1 for decode).
-- ``chunk``: the same single kernel (token-serial, same results as the chunk op).
 - ``chunk_prepare`` then ``chunk_recurrence``: the two-kernel chunk pipeline of
   ``kernels/chunk.py`` as a chain of two single-kernel plugins; the prepare plugin's
-  outputs (cumulative gate, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
+  outputs (chunk decay, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
 - ``causal_conv1d``: a chain of two single-kernel plugins, ``causal_conv1d_output`` (y)
   then ``causal_conv1d_state`` (final state).
 - ``gated_rms_norm`` and ``gate``: one kernel each.
@@ -176,9 +175,9 @@ def _use_gate(config: Mapping[str, object]) -> bool:
     return bool(config.get("use_gate", True))
 
 
-def _recurrent(name: str) -> PluginKernel:
+def _recurrent() -> PluginKernel:
     return PluginKernel(
-        name=name,
+        name="recurrent",
         kernel=recurrent_kda_kernel,
         inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in"),
         int_args={"length": lambda s: s["q"][1]},
@@ -264,8 +263,7 @@ def chunk_count(shapes: Shapes, name: str = "q") -> int:
 CHUNK_INTERMEDIATES = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
 
 PLUGINS: dict[str, PluginKernel] = {
-    "recurrent": _recurrent("recurrent"),
-    "chunk": _recurrent("chunk"),
+    "recurrent": _recurrent(),
     "chunk_prepare": PluginKernel(
         name="chunk_prepare",
         kernel=chunk_prepare_kernel,

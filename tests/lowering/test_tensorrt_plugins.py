@@ -160,7 +160,6 @@ PLUGIN_SHAPES = {  # input shapes with B, T symbolic ("B", "T") and the rest sta
     "gated_rms_norm": dict(x=("B", "T", 16), gate=("B", "T", 16), weight=(16,)),
     "gate": dict(g=("B", "T", 2, 16), A_log=(2,), dt_bias=(32,)),
 }  # fmt: skip
-PLUGIN_SHAPES["chunk"] = PLUGIN_SHAPES["recurrent"]
 PLUGIN_SHAPES["chunk_prepare"] = {k: v for k, v in PLUGIN_SHAPES["recurrent"].items()
                                   if k != "state_in"}  # fmt: skip
 PLUGIN_ATTRS = {"chunk_recurrence": {}, "causal_conv1d_output": dict(silu=1),
@@ -218,8 +217,7 @@ def test_static_dims_keeps_ints():
 def test_attributes_match_the_onnx_plugin_node_attributes():
     from lowering import onnx as kda_onnx
 
-    for name in ("recurrent", "chunk", "causal_conv1d_output", "causal_conv1d_state",
-                 "gated_rms_norm", "gate"):  # fmt: skip
+    for name in qdp.SPECS:
         assert list(qdp.SPECS[name].attributes) == kda_onnx.PLUGIN_OPS[name]["attributes"]
 
 
