@@ -1,6 +1,6 @@
 """Kernel benchmarks against flash-linear-attention (fla-core 0.6.0) in the same process.
 
-Usage (GPU): ``python benchmarks/ops.py [--json out.json]``.
+Usage (GPU): ``python benchmarks/ops.py [--only chunk96 conv ...] [--json out.json]``.
 """
 
 import argparse
@@ -88,6 +88,18 @@ def bench_chunk(heads, length=8192, dim=128) -> Row:
     return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16", ours, peer, nbytes)
 
 
+def bench_chunk_varlen(heads=96, dim=128) -> Row:
+    """Packed sequences of the issue's lengths, filled up to the same 8192 tokens."""
+    cu_seqlens = torch.tensor([0, 100, 300, 1200, 3000, 4096, 8192], device=DEVICE,
+                              dtype=torch.int32)  # fmt: skip
+    x = kda_inputs(1, int(cu_seqlens[-1]), heads, dim)
+    ours = time_ms(lambda: kda_ops.chunk_kda(**x, cu_seqlens=cu_seqlens, **IN_KERNEL))
+    peer = time_ms(lambda: fla_chunk_kda(**x, cu_seqlens=cu_seqlens, **IN_KERNEL))
+    nbytes = 5 * x["q"].numel() * 2
+    return Row(f"chunk_kda fwd varlen 6 seqs, 8192 tokens, H={heads} D={dim} bf16", ours, peer,
+               nbytes)  # fmt: skip
+
+
 def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
     """Training step of one layer: forward + backward of every input (gate, beta and
     l2norm in the kernel), timed and with the peak memory each allocates."""
@@ -118,19 +130,24 @@ def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
                ours_ms, peer_ms)  # fmt: skip
 
 
+BENCHES = {
+    "chunk96": lambda: [bench_chunk(96)],
+    "chunk64": lambda: [bench_chunk(64)],
+    "chunk_varlen": lambda: [bench_chunk_varlen()],
+    "chunk_backward": lambda: [bench_chunk_backward()],
+    "decode": bench_decode,
+    "norm": lambda: [bench_gated_norm()],
+    "conv": lambda: [bench_conv_update()],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHES), help="a subset, in order")
     args = parser.parse_args()
     print(f"copy bandwidth: {copy_bandwidth_tbs():.2f} TB/s", flush=True)
-    benches = [
-        lambda: [bench_chunk(96)],
-        lambda: [bench_chunk(64)],
-        lambda: [bench_chunk_backward()],
-        bench_decode,
-        lambda: [bench_gated_norm()],
-        lambda: [bench_conv_update()],
-    ]
+    benches = [BENCHES[name] for name in args.only or BENCHES]
     report("kda-ops kernels vs flash-linear-attention 0.6.0", benches, args.json)
 
 

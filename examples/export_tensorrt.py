@@ -10,7 +10,7 @@ writes, per step:
     recurrence chain);
 (b) ``{step}_onnx.engine``: the plugin-mode ONNX file (``examples.export_onnx``) parsed by
     ``trt.OnnxParser``, each ``kda``-domain node found as the ``kda::<op>`` plugin
-    (the ONNX ``chunk`` node is the single-kernel token-serial plugin).
+    (the chunk prefill is the ``chunk_prepare`` -> ``chunk_recurrence`` node pair).
 
 Batch is dynamic (1 to 8), and T in prefill (1 to 64). Without TensorRT it exits with a
 message; it has never been run (TensorRT cannot be installed where it was written).

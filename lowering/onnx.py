@@ -13,8 +13,9 @@ Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
   materialized (zeros, or a ``use_gate=0`` flag for ``A_log``) because TensorRT plugins
   take no optional inputs; every float argument is an attribute; ``A_log`` / ``dt_bias``
   are float32. The conv is two nodes, ``causal_conv1d_output`` then
-  ``causal_conv1d_state``: each node is one single-kernel plugin of
-  ``lowering.tensorrt_plugins``.
+  ``causal_conv1d_state``, and the chunk prefill is two, ``chunk_prepare`` (its six
+  intermediates are node outputs) then ``chunk_recurrence``: each node is one
+  single-kernel plugin of ``lowering.tensorrt_plugins``.
 
 Packed sequences (``cu_seqlens``) are not translated: a ``ValueError`` says so.
 """
@@ -217,22 +218,78 @@ def _float32_like(source: int, target: int) -> Callable[[object], None]:
     return infer
 
 
+def _derived(target: int, dims: list, elem_from: Optional[int] = None) -> Callable[[object], None]:
+    """Shape inference: output ``target`` with ``dims``, each an int, ``None`` (unknown) or
+    ``(input, axis)`` copied from an input; elem type of input ``elem_from`` (float32 if
+    None)."""
+
+    def infer(ctx: onnx.shape_inference.InferenceContext) -> None:
+        out = onnx.TypeProto()
+        out.tensor_type.elem_type = (
+            onnx.TensorProto.FLOAT
+            if elem_from is None
+            else ctx.get_input_type(elem_from).tensor_type.elem_type
+        )
+        shape = out.tensor_type.shape
+        for spec in dims:
+            dim = shape.dim.add()
+            if isinstance(spec, int):
+                dim.dim_value = spec
+            elif spec is not None:
+                source = ctx.get_input_type(spec[0]).tensor_type.shape
+                if len(source.dim) > spec[1]:
+                    dim.CopyFrom(source.dim[spec[1]])
+        ctx.set_output_type(target, out)
+
+    return infer
+
+
 PLUGIN_ATTRIBUTES = (("plugin_namespace", OpSchema.AttrType.STRING),
                      ("plugin_version", OpSchema.AttrType.STRING))  # fmt: skip
+DELTA_RULE_ATTRIBUTES = [
+    "scale",
+    "lower_bound",
+    "use_gate",
+    "use_lower_bound",
+    "use_qk_l2norm",
+    "use_beta_sigmoid",
+]
+_PER_TOKEN_K = [(0, 0), (0, 1), (2, 2), (0, 3)]  # [B, T, HV, K]: HV from v, K from q
 PLUGIN_OPS: dict[str, dict[str, object]] = {
     # name: inputs, outputs (name, type var), attributes, inference (rules per output)
     "recurrent": dict(
         inputs=["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"],
         outputs=[("o", "T"), ("final_state", "S")],
-        attributes=[
-            "scale",
-            "lower_bound",
-            "use_gate",
-            "use_lower_bound",
-            "use_qk_l2norm",
-            "use_beta_sigmoid",
-        ],
+        attributes=DELTA_RULE_ATTRIBUTES,
         rules=[_copy_type(2, 0), _copy_type(7, 1)],
+    ),
+    # The chunk prefill is a chain of two plugins (FlashKDA's two kernels); the chunk
+    # count of the intermediates (B * ceil(T / 64)) is left to TensorRT.
+    "chunk_prepare": dict(
+        inputs=["q", "k", "v", "g", "beta", "A_log", "dt_bias"],
+        outputs=[
+            ("chunk_decay", "S"),
+            ("w", "T"),
+            ("u", "T"),
+            ("qg", "T"),
+            ("kd", "T"),
+            ("aqk", "T"),
+        ],
+        attributes=DELTA_RULE_ATTRIBUTES,
+        rules=[
+            _derived(0, [None, (2, 2), (0, 3)]),
+            _derived(1, _PER_TOKEN_K, elem_from=0),
+            _copy_type(2, 2),
+            _derived(3, _PER_TOKEN_K, elem_from=0),
+            _derived(4, _PER_TOKEN_K, elem_from=0),
+            _derived(5, [None, (2, 2), 64, 64], elem_from=0),
+        ],
+    ),
+    "chunk_recurrence": dict(
+        inputs=["w", "u", "qg", "kd", "aqk", "chunk_decay", "initial_state"],
+        outputs=[("o", "T"), ("final_state", "S")],
+        attributes=[],
+        rules=[_copy_type(1, 0), _copy_type(6, 1)],
     ),
     # The conv is a chain of two plugins (TensorRT plugins run one kernel each).
     "causal_conv1d_output": dict(
@@ -260,7 +317,6 @@ PLUGIN_OPS: dict[str, dict[str, object]] = {
         rules=[_float32_like(0, 0)],
     ),
 }
-PLUGIN_OPS["chunk"] = PLUGIN_OPS["recurrent"]
 FLOAT_ATTRIBUTES = ("scale", "lower_bound", "eps")
 
 
@@ -332,12 +388,15 @@ def _plugin_delta_rule(name: str) -> Callable[..., tuple[Value, Value]]:
             _f32(_or_zeros(dt_bias, [value_heads * gate_width], q)),
             _f32(_or_zeros(initial_state, [-1, value_heads, head_k, head_v], q)),
         ]  # fmt: skip
-        o, state = _plugin_node(
-            name, inputs, scale=scale, lower_bound=lower_bound or 0.0, use_gate=A_log is not None,
+        attributes = dict(
+            scale=scale, lower_bound=lower_bound or 0.0, use_gate=A_log is not None,
             use_lower_bound=lower_bound is not None, use_qk_l2norm=use_qk_l2norm,
             use_beta_sigmoid=use_beta_sigmoid,
         )  # fmt: skip
-        return o, state
+        if name == "recurrent":
+            return _plugin_node("recurrent", inputs, **attributes)
+        decay, w, u, qg, kd, aqk = _plugin_node("chunk_prepare", inputs[:7], **attributes)
+        return _plugin_node("chunk_recurrence", [w, u, qg, kd, aqk, decay, inputs[7]])
 
     return translate
 

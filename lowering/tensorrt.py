@@ -12,10 +12,9 @@ flag into constexprs, and gives the launch grid from shapes alone.
 Plugins (namespace ``kda``, the op types of ``lowering.onnx``'s plugin mode):
 
 - ``recurrent``: one kernel, ``recurrent_kda_kernel`` (any T; T = 1 for decode).
-- ``chunk``: the same single kernel (token-serial, same results as the chunk op).
 - ``chunk_prepare`` then ``chunk_recurrence``: the two-kernel chunk pipeline of
   ``kernels/chunk.py`` as a chain of two single-kernel plugins; the prepare plugin's
-  outputs (cumulative gate, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
+  outputs (chunk decay, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
 - ``causal_conv1d``: a chain of two single-kernel plugins, ``causal_conv1d_output`` (y)
   then ``causal_conv1d_state`` (final state).
 - ``gated_rms_norm`` and ``gate``: one kernel each.
@@ -33,7 +32,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_ops.kernels.chunk import BLOCK as CHUNK_BLOCK
 from kda_ops.kernels.chunk import (
     CHUNK,
     SAFE_GATE_LOWER_BOUND,
@@ -177,9 +175,9 @@ def _use_gate(config: Mapping[str, object]) -> bool:
     return bool(config.get("use_gate", True))
 
 
-def _recurrent(name: str) -> PluginKernel:
+def _recurrent() -> PluginKernel:
     return PluginKernel(
-        name=name,
+        name="recurrent",
         kernel=recurrent_kda_kernel,
         inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in"),
         int_args={"length": lambda s: s["q"][1]},
@@ -242,7 +240,7 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
             and base["lower_bound"] >= SAFE_GATE_LOWER_BOUND)  # fmt: skip
     return dict(
         scale=base["scale"], lower_bound=base["lower_bound"], H=base["H"], HV=base["HV"],
-        K=base["K"], V=base["V"], BK=block_k, BV=block_v, BN=1, BLOCK=CHUNK_BLOCK,
+        K=base["K"], V=base["V"], BK=block_k, BV=block_v, BN=1,
         SCALAR_GATE=base["SCALAR_GATE"], USE_GATE=base["USE_GATE"],
         HAS_DT_BIAS=base["HAS_DT_BIAS"], USE_LOWER_BOUND=base["USE_LOWER_BOUND"],
         SAFE_GATE=safe, USE_L2NORM=base["USE_L2NORM"], USE_BETA_SIGMOID=base["USE_BETA_SIGMOID"],
@@ -253,7 +251,7 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
 def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     block_k, block_v, precision = _chunk_blocks(config)
     return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"], BK=block_k,
-                BV=min(block_v, 32), HAS_INITIAL_STATE=True, IS_VARLEN=False,
+                BV=min(block_v, 64), HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False)  # fmt: skip
 
 
@@ -262,11 +260,10 @@ def chunk_count(shapes: Shapes, name: str = "q") -> int:
     return shapes[name][0] * cdiv(shapes[name][1], CHUNK)
 
 
-CHUNK_INTERMEDIATES = ("cum_g", "w", "u", "qg", "kd", "aqk")
+CHUNK_INTERMEDIATES = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
 
 PLUGINS: dict[str, PluginKernel] = {
-    "recurrent": _recurrent("recurrent"),
-    "chunk": _recurrent("chunk"),
+    "recurrent": _recurrent(),
     "chunk_prepare": PluginKernel(
         name="chunk_prepare",
         kernel=chunk_prepare_kernel,
@@ -276,19 +273,19 @@ PLUGINS: dict[str, PluginKernel] = {
         absent=("cu_seqlens", "chunk_offsets"),
         constexprs=_chunk_prepare_constexprs,
         grid=lambda s, c: (chunk_count(s), c["HV"], 1),
-        float32_params=("A_log", "dt_bias", "cum_g"),
+        float32_params=("A_log", "dt_bias", "chunk_decay"),
         num_warps=lambda c: 4 if c["BK"] <= 64 else 8,
     ),
     "chunk_recurrence": PluginKernel(
         name="chunk_recurrence",
         kernel=chunk_recurrence_kernel,
-        inputs=(*CHUNK_INTERMEDIATES[1:], "cum_g", "initial_state"),
+        inputs=(*CHUNK_INTERMEDIATES[1:], "chunk_decay", "initial_state"),
         int_args={"length": lambda s: s["u"][1]},
         outputs=("o", "final_state"),
         absent=("cu_seqlens", "chunk_offsets", "chunk_states"),
         constexprs=_chunk_recurrence_constexprs,
         grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["u"][0] * c["HV"], 1),
-        float32_params=("cum_g", "initial_state", "final_state"),
+        float32_params=("chunk_decay", "initial_state", "final_state"),
     ),
     "causal_conv1d_output": PluginKernel(
         name="causal_conv1d_output",

@@ -13,10 +13,9 @@ Each plugin of :data:`lowering.tensorrt.PLUGINS` becomes ``kda::<name>``:
 
 Plugin attributes are the ``kda``-domain ONNX node attributes of ``lowering.onnx``'s plugin
 mode (``scale``, ``lower_bound``, ``use_*`` flags, ``eps``, ``silu``); head counts and
-widths are read from the inputs' static dims. The chunk prefill has two forms: ``chunk``
-(one token-serial kernel, what the ONNX ``chunk`` node maps to) and the chain
+widths are read from the inputs' static dims. The chunk prefill is the chain
 ``chunk_prepare`` → ``chunk_recurrence`` (FlashKDA's two kernels; the six intermediates
-are plugin outputs / inputs).
+are plugin outputs / inputs), as in plugin-mode ONNX.
 
 Everything that needs TensorRT is imported inside :func:`register_plugins` and
 :func:`register_torch_tensorrt_converters`; the descriptor logic (:func:`output_shapes`,
@@ -108,16 +107,13 @@ def _tokens(width_of: str) -> Callable[[Shapes], tuple]:
     return lambda s: (s["q"][0], s["q"][1], s["v"][2], s[width_of][-1])
 
 
-def _delta_spec(name: str) -> PluginSpec:
-    outputs = {"o": Output(_same("v"), "v"), "state_out": Output(_same("state_in"), None)}
-    return PluginSpec(PLUGINS[name], DELTA_ATTRIBUTES, _delta_config, outputs)
-
-
 SPECS: dict[str, PluginSpec] = {
-    "recurrent": _delta_spec("recurrent"),
-    "chunk": _delta_spec("chunk"),
+    "recurrent": PluginSpec(PLUGINS["recurrent"], DELTA_ATTRIBUTES, _delta_config, {
+        "o": Output(_same("v"), "v"), "state_out": Output(_same("state_in"), None),
+    }),
     "chunk_prepare": PluginSpec(PLUGINS["chunk_prepare"], DELTA_ATTRIBUTES, _delta_config, {
-        "cum_g": Output(_tokens("q"), None), "w": Output(_tokens("q"), "q"),
+        "chunk_decay": Output(lambda s: (chunk_count(s), s["v"][2], s["q"][-1]), None),
+        "w": Output(_tokens("q"), "q"),
         "u": Output(_tokens("v"), "q"), "qg": Output(_tokens("q"), "q"),
         "kd": Output(_tokens("q"), "q"),
         "aqk": Output(lambda s: (chunk_count(s), s["v"][2], 64, 64), "q"),
@@ -331,7 +327,7 @@ def plugin_chain(op: str, bound: Mapping[str, Any]) -> list[tuple[str, dict, dic
     if op == "recurrent":
         return [("recurrent", {**delta, "state_in": "initial_state"}, delta_attributes(bound))]
     if op == "chunk":
-        carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+        carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
         recurrence = {**carried, "initial_state": "initial_state"}
         return [("chunk_prepare", delta, delta_attributes(bound)),
                 ("chunk_recurrence", recurrence, {})]  # fmt: skip

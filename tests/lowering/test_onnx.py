@@ -73,7 +73,15 @@ def _plugin_nodes(path):
 @pytest.mark.parametrize(
     "step, expected",
     [
-        ("prefill", {"chunk": 3, "causal_conv1d_output": 9, "causal_conv1d_state": 9}),
+        (
+            "prefill",
+            {
+                "chunk_prepare": 3,
+                "chunk_recurrence": 3,
+                "causal_conv1d_output": 9,
+                "causal_conv1d_state": 9,
+            },
+        ),
         ("decode", {"recurrent": 3}),
     ],
 )
@@ -101,6 +109,28 @@ def test_plugin_schemas_drive_shape_inference(onnx_files):
     assert [d.dim_value for d in o.shape.dim[1:]] == [1, 2, 16]  # [B, 1, HV, V]
     state = next(v for v in inferred.graph.output if v.name == node.output[1])
     assert state.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+
+
+def test_chunk_plugin_chain_shape_inference(onnx_files):
+    """Prefill: the schema gives chunk_prepare's six intermediates their types and dims
+    (from the inputs' shapes the exporter recorded; the chunk count stays unknown)."""
+    kda_onnx.register_plugin_schemas()
+    proto = onnx.load(onnx_files["prefill", "plugin"])
+    prepare = next(n for n in proto.graph.node if n.op_type == "chunk_prepare")
+    proto.graph.ClearField("value_info")
+    proto.graph.value_info.extend(
+        v for v in onnx.load(onnx_files["prefill", "plugin"]).graph.value_info
+        if v.name in prepare.input
+    )  # fmt: skip
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    types = {v.name: v.type.tensor_type for v in inferred.graph.value_info}
+    decay, w, u, qg, kd, aqk = (types[name] for name in prepare.output)
+    assert decay.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in decay.shape.dim[1:]] == [2, 16]  # [chunks, HV, K]
+    assert [d.dim_value for d in aqk.shape.dim[1:]] == [2, 64, 64]
+    for per_token in (w, u, qg, kd):
+        assert per_token.elem_type == onnx.TensorProto.FLOAT
+        assert [d.dim_value for d in per_token.shape.dim[2:]] == [2, 16]
 
 
 def test_plugin_schema_inference_without_the_exporter():

@@ -81,7 +81,7 @@ def test_chunk_plugin_chain_matches_reference(batch, length):
     state = inputs.pop("state_in")
     prepared = launch_like_tensorrt("chunk_prepare", inputs, DELTA_ATTRS)
     assert prepared["aqk"].shape[0] == batch * math.ceil(length / 64)
-    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "cum_g")}
+    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
     got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
                                {})  # fmt: skip
     o, final = _delta_reference({**inputs, "state_in": state})
@@ -153,14 +153,13 @@ PLUGIN_SHAPES = {  # input shapes with B, T symbolic ("B", "T") and the rest sta
                       g=("B", "T", 2, 16), beta=("B", "T", 2), A_log=(2,), dt_bias=(32,),
                       state_in=("B", 2, 16, 16)),
     "chunk_recurrence": dict(w=("B", "T", 2, 16), u=("B", "T", 2, 16), qg=("B", "T", 2, 16),
-                             kd=("B", "T", 2, 16), aqk=("B", 2, 64, 64), cum_g=("B", "T", 2, 16),
+                             kd=("B", "T", 2, 16), aqk=("B", 2, 64, 64), chunk_decay=("B", 2, 16),
                              initial_state=("B", 2, 16, 16)),
     "causal_conv1d_output": dict(x=("B", "T", 8), weight=(8, 4), bias=(8,), state=("B", 8, 3)),
     "causal_conv1d_state": dict(x=("B", "T", 8), state_in=("B", 8, 3)),
     "gated_rms_norm": dict(x=("B", "T", 16), gate=("B", "T", 16), weight=(16,)),
     "gate": dict(g=("B", "T", 2, 16), A_log=(2,), dt_bias=(32,)),
 }  # fmt: skip
-PLUGIN_SHAPES["chunk"] = PLUGIN_SHAPES["recurrent"]
 PLUGIN_SHAPES["chunk_prepare"] = {k: v for k, v in PLUGIN_SHAPES["recurrent"].items()
                                   if k != "state_in"}  # fmt: skip
 PLUGIN_ATTRS = {"chunk_recurrence": {}, "causal_conv1d_output": dict(silu=1),
@@ -218,8 +217,7 @@ def test_static_dims_keeps_ints():
 def test_attributes_match_the_onnx_plugin_node_attributes():
     from lowering import onnx as kda_onnx
 
-    for name in ("recurrent", "chunk", "causal_conv1d_output", "causal_conv1d_state",
-                 "gated_rms_norm", "gate"):  # fmt: skip
+    for name in qdp.SPECS:
         assert list(qdp.SPECS[name].attributes) == kda_onnx.PLUGIN_OPS[name]["attributes"]
 
 

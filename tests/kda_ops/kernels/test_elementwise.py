@@ -67,8 +67,9 @@ def test_causal_conv1d_varlen():
     torch.testing.assert_close(state, state_ref)
 
 
-def test_causal_conv1d_pool_in_place():
-    x, weight, bias = conv_inputs(torch.float32, 3, 2)
+@pytest.mark.parametrize("length", [1, 2])
+def test_causal_conv1d_pool_in_place(length):
+    x, weight, bias = conv_inputs(torch.float32, 3, length)
     pool = torch.randn(6, 10, 3, device=DEVICE)
     before = pool.clone()
     indices = torch.tensor([4, -1, 1], device=DEVICE)
