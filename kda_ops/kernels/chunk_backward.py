@@ -760,14 +760,15 @@ def launch_chunk_kda_backward(
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
-    split_v = min(block_v, 32)  # as the forward's scan: more programs, a smaller dS tile
+    split_v = _scan_columns(block_v, n_seqs * value_heads, q.device)
     chunk_bwd_state_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision,
-        **dict(launch, num_warps=8),  # ptxas: no spills at K = 128 (800 B at 4 warps)
+        # ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 / 128 columns
+        # (0.8 / 2.7 / 3.6 KB at 4 warps).
+        DOT_PRECISION=precision, **dict(launch, num_warps=8),
     )  # fmt: skip
 
     del qg, kd  # only the scan reads them
@@ -804,6 +805,21 @@ def launch_chunk_kda_backward(
     d_dt_bias = q.new_empty(0) if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
+
+
+def _scan_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
+    """Value columns per program of the reverse scan: as for the forward's recurrence,
+    the fewest (from 32, at most 128) that still leave every program an SM of its own:
+    each walks all chunks serially, so splitting V only pays while SMs are idle (8 warps
+    at 255 registers hold one program per SM). Off CUDA (the interpreter) 32, so that CI
+    covers several value blocks."""
+    if device.type != "cuda":
+        return min(block_v, 32)
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    for columns in (32, 64):
+        if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
+            return columns
+    return min(block_v, 128)
 
 
 def _qk_input_grad(x: Tensor, d_unit: Tensor, use_qk_l2norm: bool) -> Tensor:
