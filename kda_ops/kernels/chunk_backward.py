@@ -35,7 +35,7 @@ kernel 3 needs T, and recomputing them per value block would repeat the O(C² K)
 u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
 rather than stored. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes
 over T's buffer and scale·dAqk over Aqk's (neither is needed any more), the row-local
-gradients into the fp32 dq / dk / dbeta outputs (completed in place) and a dG scratch.
+gradients into fp32 dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
 Kernels 3 and 4 are separate because they only communicate through memory anyway, and
 apart each needs fewer registers.
 
