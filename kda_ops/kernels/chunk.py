@@ -46,7 +46,7 @@ SAFE_GATE_LOWER_BOUND = -5.0
 
 
 @triton.jit
-def _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
                   BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
     """(first token of chunk i_c, tokens left in its sequence from there); none left for
     the programs of the varlen grid's upper bound that have no chunk."""
@@ -64,6 +64,17 @@ def _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
     seq = i_c // n_chunks
     start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * 64
     return start, (seq + 1).to(tl.int64) * length - start
+
+
+@triton.jit
+def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr):
+    """(first token, length, global number of the first chunk) of sequence i_n, for the
+    head-parallel scans over its chunks."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        return bos, seq_len, tl.load(chunk_offsets + i_n)
+    return i_n.to(tl.int64) * length, length, i_n * tl.cdiv(length, 64)
 
 
 @triton.jit
@@ -276,7 +287,7 @@ def chunk_prepare_kernel(
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
                                      BN, IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
@@ -360,14 +371,7 @@ def chunk_recurrence_kernel(
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        first_chunk = tl.load(chunk_offsets + i_n)
-    else:
-        bos = i_n.to(tl.int64) * length
-        seq_len = length
-        first_chunk = i_n * tl.cdiv(length, 64)
+    bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -414,18 +418,20 @@ def chunk_recurrence_kernel(
     tl.store(final_state + state_offsets, state, mask=state_mask)
 
 
-def _recurrence_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
-    """Value columns per recurrence program: the fewest that still leave every program an
-    SM of its own. Each program walks all chunks serially, so splitting V only pays while
-    SMs are idle (H200, T = 8192, 4 warps: H = 64 takes 371 µs at 64 columns and 660 µs at
-    128; H = 96 takes 602 µs at 128 and 685 µs at 64)."""
+def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
+    """Value columns per program of a head-parallel scan over the chunks (this forward's
+    recurrence, the backward's reverse scan): the fewest that still leave every program
+    an SM of its own, at most 128. Each program walks all chunks serially, so splitting V
+    only pays while SMs are idle (H200, T = 8192, forward, 4 warps: H = 64 takes 371 µs
+    at 64 columns and 660 µs at 128; H = 96 takes 602 µs at 128 and 685 µs at 64). Off
+    CUDA (the interpreter) 32, so that CI covers several value blocks."""
     if device.type != "cuda":
-        return min(block_v, 64)
+        return min(block_v, 32)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     for columns in (32, 64):
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
-    return block_v
+    return min(block_v, 128)
 
 
 def launch_chunk_kda(
@@ -498,7 +504,7 @@ def launch_chunk_kda(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
-    split_v = _recurrence_columns(block_v, n_seqs * value_heads, q.device)
+    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
     chunk_recurrence_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,

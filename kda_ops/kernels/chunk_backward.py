@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.chunk import launch_chunk_kda
+from kda_ops.kernels.chunk import launch_chunk_kda, locate_chunk, scan_value_columns, sequence_span
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -68,27 +68,6 @@ CHUNK = 64
 BLOCK = 16  # rows of a diagonal block (the decay-ratio unit)
 L2NORM_EPS = tl.constexpr(1e-6)
 SAFE_GATE_LOWER_BOUND = -5.0
-
-
-@triton.jit
-def _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                  CHUNK: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
-    """(first token of global chunk i_c, tokens left in its sequence from there); none
-    left for the programs of the varlen grid's upper bound that have no chunk."""
-    if IS_VARLEN:
-        seqs = tl.arange(0, BN)
-        ends = tl.load(chunk_offsets + 1 + seqs, mask=seqs < n_seqs, other=2**31 - 1)
-        seq = tl.sum((ends <= i_c).to(tl.int32))
-        valid = seq < n_seqs
-        first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
-        bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
-        eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
-        start = bos + (i_c - first_chunk).to(tl.int64) * CHUNK
-        return start, tl.where(valid, eos - start, 0)
-    n_chunks = tl.cdiv(length, CHUNK)
-    seq = i_c // n_chunks
-    start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * CHUNK
-    return start, (seq + 1).to(tl.int64) * length - start
 
 
 @triton.jit
@@ -255,8 +234,8 @@ def chunk_bwd_prepare_kernel(
     the diagonal are left unwritten) and T (likewise)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
     offs_k = tl.arange(0, BK)
@@ -361,14 +340,7 @@ def chunk_bwd_state_kernel(
     ``HAS_INITIAL_STATE``, the initial state's gradient (fp32 ``[N, HV, K, V]``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        first_chunk = tl.load(chunk_offsets + i_n)
-    else:
-        bos = i_n.to(tl.int64) * length
-        seq_len = length
-        first_chunk = i_n * tl.cdiv(length, CHUNK)
+    bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -433,8 +405,8 @@ def chunk_bwd_wy_kernel(
     the diagonal, strictly lower for dA)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
     offs_k = tl.arange(0, BK)
@@ -534,8 +506,8 @@ def chunk_bwd_pairs_kernel(
     for the scalar gate)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = _locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                                     CHUNK, BN, IS_VARLEN)  # fmt: skip
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
     offs_k = tl.arange(0, BK)
@@ -760,7 +732,7 @@ def launch_chunk_kda_backward(
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
-    split_v = _scan_columns(block_v, n_seqs * value_heads, q.device)
+    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
     chunk_bwd_state_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
@@ -805,21 +777,6 @@ def launch_chunk_kda_backward(
     d_dt_bias = q.new_empty(0) if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
-
-
-def _scan_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
-    """Value columns per program of the reverse scan: as for the forward's recurrence,
-    the fewest (from 32, at most 128) that still leave every program an SM of its own:
-    each walks all chunks serially, so splitting V only pays while SMs are idle (8 warps
-    at 255 registers hold one program per SM). Off CUDA (the interpreter) 32, so that CI
-    covers several value blocks."""
-    if device.type != "cuda":
-        return min(block_v, 32)
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    for columns in (32, 64):
-        if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
-            return columns
-    return min(block_v, 128)
 
 
 def _qk_input_grad(x: Tensor, d_unit: Tensor, use_qk_l2norm: bool) -> Tensor:
