@@ -17,7 +17,10 @@ Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
   intermediates are node outputs) then ``chunk_recurrence``: each node is one
   single-kernel plugin of ``lowering.tensorrt_plugins``.
 
-Packed sequences (``cu_seqlens``) are not translated: a ``ValueError`` says so.
+Packed sequences (``cu_seqlens``) are translated in portable mode (the delta-rule scan
+reloads the state at each sequence's first token; the conv gathers each tap's input from
+the sequence or its history). Plugin mode rejects them with a ``ValueError``: the
+plugins take no ``cu_seqlens`` input.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import onnx
 import onnxscript
 import torch
 from onnx.defs import OpSchema
-from onnxscript import FLOAT, graph, script
+from onnxscript import BOOL, FLOAT, INT64, graph, script
 from onnxscript import opset18 as op
 
 MODES = ("portable", "plugin")
@@ -73,6 +76,42 @@ def delta_rule_scan(
     return final, o
 
 
+@script()
+def packed_delta_rule_scan(
+    bank: FLOAT, q: FLOAT, k: FLOAT, v: FLOAT, g: FLOAT, beta: FLOAT, seq_ids: INT64,
+    starts: BOOL,
+) -> tuple[FLOAT, FLOAT]:  # fmt: skip
+    """Token recurrence over packed sequences (B = 1). bank ``[N, HV, K, V]``: each
+    sequence's initial state, returned holding its final state; q, k, v, g, beta as in
+    :func:`delta_rule_scan`; seq_ids ``[T]`` each token's sequence, starts ``[T]`` whether
+    it opens one. A sequence's first token loads its state from the bank and every token
+    writes its state back, so the bank ends with each sequence's last state (an empty
+    sequence keeps its initial one). Returns (bank, o ``[1, T, HV, V]``)."""
+
+    @graph()
+    def step(
+        s: FLOAT[...], states: FLOAT[...], q_t: FLOAT[...], k_t: FLOAT[...], v_t: FLOAT[...],
+        g_t: FLOAT[...], beta_t: FLOAT[...], seq_t: INT64, start_t: BOOL,
+    ):  # fmt: skip
+        slot = op.Unsqueeze(seq_t, [0])
+        s = op.Where(start_t, op.Gather(states, slot, axis=0), s)
+        decayed = s * op.Unsqueeze(op.Exp(g_t), [-1])
+        k_col = op.Unsqueeze(k_t, [-1])
+        v_hat = op.ReduceSum(k_col * decayed, [-2], keepdims=0)
+        error = op.Unsqueeze(beta_t, [-1]) * (v_t - v_hat)
+        written = decayed + k_col * op.Unsqueeze(error, [-2])
+        o_t = op.ReduceSum(op.Unsqueeze(q_t, [-1]) * written, [-2], keepdims=0)
+        states = op.ScatterND(states, op.Unsqueeze(slot, [0]), written)
+        return written, states, o_t
+
+    first = op.Gather(bank, op.Constant(value_ints=[0]), axis=0)  # replaced at token 0
+    _, bank, o = op.Scan(
+        first, bank, q, k, v, g, beta, seq_ids, starts, body=step, num_scan_inputs=7,
+        scan_input_axes=[1, 1, 1, 1, 1, 0, 0], scan_output_axes=[1],
+    )  # fmt: skip
+    return bank, o
+
+
 def _f32(x: Value) -> Value:
     return op.Cast(x, to=onnx.TensorProto.FLOAT)
 
@@ -80,9 +119,27 @@ def _f32(x: Value) -> Value:
 def _reject_varlen(name: str, cu_seqlens: Optional[Value]) -> None:
     if cu_seqlens is not None:
         raise ValueError(
-            f"kda.{name}: packed sequences (`cu_seqlens`) have no ONNX translation; export "
-            "a padded batch [B, T, ...] instead"
+            f"kda.{name}: packed sequences (`cu_seqlens`) have no plugin-mode translation; "
+            "export in portable mode, or a padded batch [B, T, ...]"
         )
+
+
+def _token_sequences(cu_seqlens: Value, tokens_of: Value) -> tuple[Value, Value, Value]:
+    """Per token of a packed ``[1, T, ...]`` input: (its sequence's index, the index of
+    its sequence's first token, whether it is that first token); int64 / bool ``[T]``."""
+    bounds = op.Cast(cu_seqlens, to=onnx.TensorProto.INT64)
+    length = op.Shape(tokens_of, start=1, end=2)
+    positions = op.Range(
+        op.Constant(value_int=0), op.Squeeze(length), op.Constant(value_int=1)
+    )  # fmt: skip
+    ends = op.Slice(bounds, [1], [INT64_MAX], [0])
+    seq_ids = op.ReduceSum(
+        op.Cast(op.LessOrEqual(op.Unsqueeze(ends, [0]), op.Unsqueeze(positions, [1])),
+                to=onnx.TensorProto.INT64),
+        [1], keepdims=0,
+    )  # fmt: skip
+    first = op.Gather(bounds, seq_ids, axis=0)
+    return seq_ids, first, op.Equal(positions, first)
 
 
 def _zeros(batch_of: Value, *dims: int) -> Value:
@@ -133,8 +190,8 @@ def portable_delta_rule(
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
     scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
 ) -> tuple[Value, Value]:  # fmt: skip
-    """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results)."""
-    _reject_varlen("chunk/recurrent", cu_seqlens)
+    """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results);
+    packed sequences reset the state at each sequence's first token."""
     qf, kf, beta_f = _f32(q), _f32(k), _f32(beta)
     if use_qk_l2norm:
         qf, kf = _l2norm(qf), _l2norm(kf)
@@ -151,8 +208,20 @@ def portable_delta_rule(
     group = value_heads // heads
     qf = _repeat_heads(qf, heads, group, head_k) * op.Constant(value_float=scale)
     kf = _repeat_heads(kf, heads, group, head_k)
-    state = _zeros(q, value_heads, head_k, head_v) if initial_state is None else initial_state
-    final, o = delta_rule_scan(_f32(state), qf, kf, _f32(v), log_decay, beta_f)
+    if cu_seqlens is None:
+        batch_of = q
+    else:  # one initial state per sequence
+        batch_of = op.Slice(cu_seqlens, [1], [INT64_MAX], [0])
+    state = (
+        _zeros(batch_of, value_heads, head_k, head_v) if initial_state is None else initial_state
+    )
+    if cu_seqlens is None:
+        final, o = delta_rule_scan(_f32(state), qf, kf, _f32(v), log_decay, beta_f)
+    else:
+        seq_ids, _, starts = _token_sequences(cu_seqlens, q)
+        final, o = packed_delta_rule_scan(
+            _f32(state), qf, kf, _f32(v), log_decay, beta_f, seq_ids, starts
+        )  # fmt: skip
     return op.Cast(o, to=v.dtype), final
 
 
@@ -161,7 +230,8 @@ def portable_causal_conv1d(
     cu_seqlens: Optional[Value], activation: str,
 ) -> tuple[Value, Value]:  # fmt: skip
     """``kda.causal_conv1d``: grouped ``Conv`` over ``[history, x]`` along time."""
-    _reject_varlen("causal_conv1d", cu_seqlens)
+    if cu_seqlens is not None:
+        return _packed_causal_conv1d(x, weight, bias, initial_state, cu_seqlens, activation)
     channels, width = weight.shape[0], weight.shape[1]
     history = _zeros(x, channels, width - 1) if initial_state is None else _f32(initial_state)
     window = op.Concat(history, op.Transpose(_f32(x), perm=[0, 2, 1]), axis=2)  # [B, D, W-1+T]
@@ -174,6 +244,65 @@ def portable_causal_conv1d(
     final = op.Slice(window, [-(width - 1)], [INT64_MAX], [2])
     state_dtype = x.dtype if initial_state is None else initial_state.dtype
     return op.Cast(op.Transpose(y, perm=[0, 2, 1]), to=x.dtype), op.Cast(final, to=state_dtype)
+
+
+def _int64(value: int) -> Value:
+    return op.Constant(value_int=value)
+
+
+def _packed_inputs(
+    xf: Value, history: Value, seq: Value, first: Value, position: Value, width: int
+) -> Value:  # fmt: skip
+    """The input at ``position`` (int64 ``[M]``) of sequence ``seq`` (first token
+    ``first``): from the packed xf ``[T, D]`` inside the sequence, else from its history
+    ``[N, W - 1, D]`` (entry ``W - 1 - k`` is k tokens before its start), else 0."""
+    zero = _int64(0)
+    from_x = op.Gather(xf, op.Max(position, zero), axis=0)
+    entry = position - first + _int64(width - 1)
+    in_range = op.Min(op.Max(entry, zero), _int64(width - 2))  # the Where below picks
+    index = op.Concat(op.Unsqueeze(seq, [1]), op.Unsqueeze(in_range, [1]), axis=1)
+    from_history = op.Where(
+        op.Unsqueeze(op.GreaterOrEqual(entry, zero), [1]), op.GatherND(history, index),
+        op.Constant(value_float=0.0),
+    )  # fmt: skip
+    return op.Where(op.Unsqueeze(op.GreaterOrEqual(position, first), [1]), from_x, from_history)
+
+
+def _packed_causal_conv1d(
+    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
+    cu_seqlens: Value, activation: str,
+) -> tuple[Value, Value]:  # fmt: skip
+    """``kda.causal_conv1d`` over packed sequences (x ``[1, T, D]``): each tap gathers its
+    input from the sequence or its history; the final states gather the last W - 1."""
+    channels, width = weight.shape[0], weight.shape[1]
+    ends = op.Cast(op.Slice(cu_seqlens, [1], [INT64_MAX], [0]), to=onnx.TensorProto.INT64)
+    starts = op.Cast(op.Slice(cu_seqlens, [0], [-1], [0]), to=onnx.TensorProto.INT64)
+    if initial_state is None:
+        initial_state = op.CastLike(_zeros(ends, channels, width - 1), x)
+    history = op.Transpose(_f32(initial_state), perm=[0, 2, 1])  # [N, W - 1, D]
+    xf = op.Squeeze(_f32(x), [0])
+    seq_ids, first, _ = _token_sequences(cu_seqlens, x)
+    positions = op.Range(_int64(0), op.Squeeze(op.Shape(x, start=1, end=2)), _int64(1))
+    weight_f = _f32(weight)
+    y = op.Constant(value_float=0.0)
+    for tap in range(width):
+        inputs = _packed_inputs(xf, history, seq_ids, first, positions - _int64(width - 1 - tap),
+                                width)  # fmt: skip
+        y = y + inputs * op.Gather(weight_f, _int64(tap), axis=1)
+    if bias is not None:
+        y = y + _f32(bias)
+    if activation == "silu":
+        y = y * op.Sigmoid(y)
+    sequences = op.Range(_int64(0), op.Squeeze(op.Shape(ends)), _int64(1))
+    kept = [
+        op.Unsqueeze(
+            _packed_inputs(xf, history, sequences, starts, ends - _int64(width - 1 - j), width),
+            [2],
+        )
+        for j in range(width - 1)
+    ]  # fmt: skip
+    final = op.Concat(*kept, axis=2)  # [N, D, W - 1]
+    return op.Cast(op.Unsqueeze(y, [0]), to=x.dtype), op.CastLike(final, initial_state)
 
 
 def portable_gated_rms_norm(

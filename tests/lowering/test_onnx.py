@@ -66,6 +66,58 @@ def test_portable_graphs_use_standard_ops_only(onnx_files):
         assert "Scan" in {node.op_type for node in graph.node}
 
 
+class PackedLayer(torch.nn.Module):
+    """A KDA core and a short conv over packed sequences, every state explicit."""
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, x, weight, bias,
+                conv_state):  # fmt: skip
+        o, final = kda_ops.chunk_kda(
+            q, k, v, g, beta, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        y, conv_final = kda_ops.causal_conv1d(x, weight, bias, conv_state, "silu", cu_seqlens)
+        return o, final, y, conv_final
+
+
+def packed_inputs(cu_seqlens, heads=1, value_heads=2, dim=8, channels=6, width=4):
+    n_seqs, length = len(cu_seqlens) - 1, cu_seqlens[-1]
+    tokens = (1, length)
+    return (
+        torch.randn(*tokens, heads, dim), torch.randn(*tokens, heads, dim),
+        torch.randn(*tokens, value_heads, dim), torch.randn(*tokens, value_heads, dim),
+        torch.randn(*tokens, value_heads), torch.randn(value_heads),
+        torch.randn(value_heads * dim), torch.randn(n_seqs, value_heads, dim, dim),
+        torch.tensor(cu_seqlens, dtype=torch.int32), torch.randn(*tokens, channels),
+        torch.randn(channels, width), torch.randn(channels),
+        torch.randn(n_seqs, channels, width - 1),
+    )  # fmt: skip
+
+
+def test_portable_packed_sequences_run_in_onnxruntime(tmp_path):
+    """cu_seqlens as a graph input with a dynamic number of sequences and tokens: empty,
+    one-token and history-only sequences, against PyTorch."""
+    torch.manual_seed(0)
+    layer = PackedLayer()
+    tokens, seqs = torch.export.Dim("tokens", min=2, max=4096), torch.export.Dim("seqs", max=64)
+    per_token = {1: tokens}
+    dynamic = (per_token,) * 5 + (None, None, {0: seqs}, {0: seqs + 1}, per_token, None, None,
+                                  {0: seqs})  # fmt: skip
+    program = torch.export.export(layer, packed_inputs([0, 3, 9]), dynamic_shapes=dynamic)
+    path = tmp_path / "packed.onnx"
+    kda_onnx.export_onnx(program, str(path), "portable")
+    names = ([f"in{i}" for i in range(13)], ["o", "final", "y", "conv_final"])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds_names = [i.name for i in session.get_inputs()]
+    for cu_seqlens in ([0, 3, 9], [0, 1, 1, 7, 20], [0, 2, 2, 5]):
+        inputs = packed_inputs(cu_seqlens)
+        expected = layer(*inputs)
+        got = session.run(None, {n: t.numpy() for n, t in zip(feeds_names, inputs)})
+        for name, want, have in zip(names[1], expected, got):
+            np.testing.assert_allclose(have, want.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _plugin_nodes(path):
     return [node for node in onnx.load(path).graph.node if node.domain == "kda"]
 
@@ -240,8 +292,8 @@ def test_each_op_portable_translation_matches_pytorch(case, tmp_path):
             torch.testing.assert_close(torch.from_numpy(got), expected)
 
 
-def test_bad_mode_and_varlen_raise():
+def test_bad_mode_and_plugin_varlen_raise():
     with pytest.raises(ValueError, match="mode"):
         kda_onnx.translation_table("tensorrt")
     with pytest.raises(ValueError, match="cu_seqlens"):
-        kda_onnx.portable_causal_conv1d(None, None, None, None, object(), "silu")
+        kda_onnx.plugin_causal_conv1d(None, None, None, None, object(), "silu")
