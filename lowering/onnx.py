@@ -86,7 +86,9 @@ def packed_delta_rule_scan(
     :func:`delta_rule_scan`; seq_ids ``[T]`` each token's sequence, starts ``[T]`` whether
     it opens one. A sequence's first token loads its state from the bank and every token
     writes its state back, so the bank ends with each sequence's last state (an empty
-    sequence keeps its initial one). Returns (bank, o ``[1, T, HV, V]``)."""
+    sequence keeps its initial one). Returns (bank, o ``[1, T, HV, V]``). The step repeats
+    :func:`delta_rule_scan`'s math inline: a Scan body cannot call a script function in the
+    exported model (onnxruntime does not find it)."""
 
     @graph()
     def step(
