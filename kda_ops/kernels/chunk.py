@@ -78,7 +78,7 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 
 @triton.jit
-def _inverse_unit_lower(a):
+def inverse_unit_lower(a):
     """(I + a)⁻¹ for a strictly lower-triangular [BLOCK, BLOCK] fp32 a. With m = -a
     nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
     six small dots instead of BLOCK dependent row updates."""
@@ -253,7 +253,7 @@ def _solve_block(a_kk, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, 
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    inverse = _inverse_unit_lower(a_kk)
+    inverse = inverse_unit_lower(a_kk)
     b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
     rows = (tokens * HV + i_hv)[:, None]

@@ -60,7 +60,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.chunk import launch_chunk_kda, locate_chunk, scan_value_columns, sequence_span
+from kda_ops.kernels.chunk import (
+    inverse_unit_lower,
+    launch_chunk_kda,
+    locate_chunk,
+    scan_value_columns,
+    sequence_span,
+)
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -152,19 +158,6 @@ def _gate_activation_backward(dg, x, rate, lower_bound, USE_LOWER_BOUND: tl.cons
     # g = -e^A softplus(x): ∂g/∂x = -e^A σ(x), ∂g/∂A_log = g
     dx = -dg * rate * tl.sigmoid(x)
     return dx, dg * _gate_activation(x, rate, lower_bound, USE_LOWER_BOUND)
-
-
-@triton.jit
-def _inverse_unit_lower(a, N: tl.constexpr):
-    """(I + a)⁻¹ for a strictly lower-triangular [N, N] a, by forward substitution: row i
-    of the inverse is e_i - a[i, :] @ inverse."""
-    rows = tl.arange(0, N)
-    inverse = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, N):
-        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
-        update = tl.sum(a_row[:, None] * inverse, axis=0)
-        inverse = tl.where(rows[:, None] == i, inverse - update[None, :], inverse)
-    return inverse
 
 
 @triton.jit
@@ -295,7 +288,7 @@ def chunk_bwd_prepare_kernel(
         causal = sub[:, None] >= sub[None, :]
         strict = sub[:, None] > sub[None, :]
         tl.store(aqk + block_rows + i_b * BLOCK, tl.where(causal, scale * d_qk, 0.0))
-        t_diag = _inverse_unit_lower(tl.where(strict, r_beta[:, None] * d_kk, 0.0), BLOCK)
+        t_diag = inverse_unit_lower(tl.where(strict, r_beta[:, None] * d_kk, 0.0))
         tl.debug_barrier()  # this row block of A is read by every thread below
         for j_b in range(0, i_b):
             acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
