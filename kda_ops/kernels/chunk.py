@@ -47,7 +47,7 @@ SAFE_GATE_LOWER_BOUND = -5.0
 
 @triton.jit
 def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                  BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
     """(first token of chunk i_c, tokens left in its sequence from there); none left for
     the programs of the varlen grid's upper bound that have no chunk."""
     if IS_VARLEN:
