@@ -20,8 +20,6 @@ from torch import Tensor
 from kda_ops import kernels, reference
 from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
 
-SAFE_GATE_MIN_LOWER_BOUND = -5.0
-
 
 def _delta_rule_reference(
     form: reference.DeltaRuleForm,
@@ -337,10 +335,12 @@ def _gate_args(
     (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we)."""
     if not use_gate_in_kernel:
         return None, None, None
-    if safe_gate and not (lower_bound is not None and SAFE_GATE_MIN_LOWER_BOUND <= lower_bound < 0):
+    if safe_gate and not (
+        lower_bound is not None and reference.SAFE_GATE_LOWER_BOUND <= lower_bound < 0
+    ):
         ArgumentChecker(function).fail(
             ValueError,
-            f"`safe_gate=True` needs `lower_bound` in [{SAFE_GATE_MIN_LOWER_BOUND}, 0), "
+            f"`safe_gate=True` needs `lower_bound` in [{reference.SAFE_GATE_LOWER_BOUND}, 0), "
             f"got {lower_bound}",
         )
     return A_log, dt_bias, None if lower_bound is None else float(lower_bound)

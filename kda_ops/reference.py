@@ -29,6 +29,9 @@ from torch import Tensor
 
 L2NORM_EPS = 1e-6
 CHUNK_SIZE = 64
+# The K3 safe gate's most negative lower bound: 16 tokens then decay by at most e^80, inside
+# fp32 / bf16 range, which the kernels' dense 16-row diagonal blocks rely on.
+SAFE_GATE_LOWER_BOUND = -5.0
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:

@@ -28,15 +28,16 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kda_ops.kernels.chunk import (
     CHUNK,
-    SAFE_GATE_LOWER_BOUND,
     chunk_prepare_kernel,
     chunk_recurrence_kernel,
+    uses_safe_gate,
 )
 from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
@@ -236,8 +237,10 @@ def _chunk_blocks(config: Mapping[str, object]) -> tuple[int, int, str]:
 def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     block_k, block_v, precision = _chunk_blocks(config)
     base = _recurrent_constexprs(config)
-    safe = (base["USE_LOWER_BOUND"] and base["USE_GATE"] and config.get("dtype") != "float16"
-            and base["lower_bound"] >= SAFE_GATE_LOWER_BOUND)  # fmt: skip
+    lower_bound = base["lower_bound"] if base["USE_LOWER_BOUND"] else None
+    safe = uses_safe_gate(
+        lower_bound, base["USE_GATE"], getattr(torch, config.get("dtype") or "float32")
+    )
     return dict(
         scale=base["scale"], lower_bound=base["lower_bound"], H=base["H"], HV=base["HV"],
         K=base["K"], V=base["V"], BK=block_k, BV=block_v, BN=1,

@@ -35,14 +35,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops import reference
+from kda_ops.kernels.gate import gate_activation
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
-CHUNK = 64
+CHUNK = reference.CHUNK_SIZE
 BLOCK = tl.constexpr(16)  # rows of a block of the UT/WY solve; 4 blocks per chunk
 LOG2_BLOCK = tl.constexpr(4)
-L2NORM_EPS = tl.constexpr(1e-6)
-SAFE_GATE_LOWER_BOUND = -5.0
+L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
 
 
 @triton.jit
@@ -133,15 +134,12 @@ def _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mas
                 b_g += tl.load(dt_bias + i_hv).to(tl.float32)
             else:
                 b_g += tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)[None, :]
-        if USE_LOWER_BOUND:
-            b_g = lower_bound * tl.sigmoid(rate * b_g)
-        else:
-            b_g = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
+        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
     return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
 
 
 @triton.jit
-def _unit_rows(rows, USE_L2NORM: tl.constexpr):
+def unit_rows(rows, USE_L2NORM: tl.constexpr):
     """fp32 rows, l2-normalised when asked (FLA's eps inside the square root)."""
     rows = rows.to(tl.float32)
     if USE_L2NORM:
@@ -199,8 +197,8 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
                          BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     local = tl.cumsum(b_g, axis=0)  # padding rows add no decay
     block_decay = tl.sum(b_g, axis=0)
-    r_q = _unit_rows(r_q, USE_L2NORM)
-    r_k = _unit_rows(r_k, USE_L2NORM)
+    r_q = unit_rows(r_q, USE_L2NORM)
+    r_k = unit_rows(r_k, USE_L2NORM)
     r_beta = r_beta.to(tl.float32)
     if USE_BETA_SIGMOID:
         r_beta = tl.where(in_seq, tl.sigmoid(r_beta), 0.0)
@@ -418,6 +416,39 @@ def chunk_recurrence_kernel(
     tl.store(final_state + state_offsets, state, mask=state_mask)
 
 
+def uses_safe_gate(lower_bound: Optional[float], has_gate: bool, dtype: torch.dtype) -> bool:
+    """Whether diagonal blocks may be dense dots: the in-kernel safe gate bounds a block's
+    decay by e^80, inside fp32 / bf16 range; fp16's (e^11) is too small."""
+    return (
+        has_gate
+        and lower_bound is not None
+        and lower_bound >= reference.SAFE_GATE_LOWER_BOUND
+        and dtype != torch.float16
+    )
+
+
+def prepare_flags(
+    q: Tensor,
+    g: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> dict[str, object]:
+    """The constexpr flags the forward's and the backward's token-parallel kernels share.
+    fp32 inputs get exact fp32 products; fp16 / bf16 use the tensor cores."""
+    return dict(
+        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None and A_log is not None,
+        SAFE_GATE=uses_safe_gate(lower_bound, A_log is not None, q.dtype),
+        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+
+
 def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
     """Value columns per program of a head-parallel scan over the chunks (this forward's
     recurrence, the backward's reverse scan): the fewest that still leave every program
@@ -472,30 +503,20 @@ def launch_chunk_kda(
     # tl.dot needs every dim >= 16; masks cover the padding.
     block_k = max(16, triton.next_power_of_2(head_k))
     block_v = max(16, triton.next_power_of_2(head_v))
-    # fp32 inputs get exact fp32 products; fp16 / bf16 use the tensor cores.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
+                          use_beta_sigmoid)  # fmt: skip
+    precision = flags["DOT_PRECISION"]
     tokens_shape = (batch, length, value_heads)
     chunk_decay = torch.empty(n_chunks, value_heads, head_k, device=q.device, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
-    # fp16's range (e^11) cannot hold the in-block factors (up to e^80): exact path there.
-    safe = (
-        lower_bound is not None
-        and A_log is not None
-        and lower_bound >= SAFE_GATE_LOWER_BOUND
-        and q.dtype != torch.float16
-    )
     chunk_prepare_kernel[(n_chunks, value_heads)](
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
         scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
         chunk_decay, w, u, qg, kd, aqk,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-        BN=triton.next_power_of_2(n_seqs),
-        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None and A_log is not None, SAFE_GATE=safe,
-        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
+        BN=triton.next_power_of_2(n_seqs), **flags,
         # At 8 warps a 128-register cap fits two programs per SM: 3.03 ms against 3.38 ms
         # uncapped (H200, T = 8192, H = 96, bf16).
         num_warps=4 if block_k <= 64 else 8, maxnreg=128,

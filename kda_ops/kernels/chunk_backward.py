@@ -61,19 +61,20 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.chunk import (
+    BLOCK,
+    CHUNK,
+    L2NORM_EPS,
     inverse_unit_lower,
     launch_chunk_kda,
     locate_chunk,
+    prepare_flags,
     scan_value_columns,
     sequence_span,
+    unit_rows,
 )
+from kda_ops.kernels.gate import gate_activation
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
-
-CHUNK = 64
-BLOCK = 16  # rows of a diagonal block (the decay-ratio unit)
-L2NORM_EPS = tl.constexpr(1e-6)
-SAFE_GATE_LOWER_BOUND = -5.0
 
 
 @triton.jit
@@ -82,10 +83,7 @@ def _load_unit_rows(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, o
     """Rows of q or k ``[R, BK]`` fp32, l2-normalised with ``USE_L2NORM``; zero outside."""
     mask = rows_in[:, None] & (offs_k < K)[None, :]
     offsets = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
-    rows = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
-    if USE_L2NORM:
-        rows = rows / tl.sqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)[:, None]
-    return rows
+    return unit_rows(tl.load(x + offsets, mask=mask, other=0.0), USE_L2NORM)
 
 
 @triton.jit
@@ -141,14 +139,6 @@ def _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
-    """Log-decay from ``x = g_raw + dt_bias`` (``reference.kda_gate``), rate = exp(A_log)."""
-    if USE_LOWER_BOUND:
-        return lower_bound * tl.sigmoid(rate * x)
-    return -rate * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-
-
-@triton.jit
 def _gate_activation_backward(dg, x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
     """(dx, the per-element term of dA_log) for the log-decay gradient dg."""
     if USE_LOWER_BOUND:  # g = lb σ(e^A x): ∂g/∂A_log = x ∂g/∂x
@@ -157,7 +147,7 @@ def _gate_activation_backward(dg, x, rate, lower_bound, USE_LOWER_BOUND: tl.cons
         return dx, dx * x
     # g = -e^A softplus(x): ∂g/∂x = -e^A σ(x), ∂g/∂A_log = g
     dx = -dg * rate * tl.sigmoid(x)
-    return dx, dg * _gate_activation(x, rate, lower_bound, USE_LOWER_BOUND)
+    return dx, dg * gate_activation(x, rate, lower_bound, USE_LOWER_BOUND)
 
 
 @triton.jit
@@ -246,7 +236,7 @@ def chunk_bwd_prepare_kernel(
                       HAS_DT_BIAS)  # fmt: skip
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_g = _gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
     b_cum = tl.cumsum(tl.where(mask_rows_k, b_g, 0.0), axis=0)
     tl.store(cum_g + token_offsets, b_cum, mask=mask_rows_k)
     last = tl.minimum(remaining, CHUNK) - 1
@@ -688,22 +678,11 @@ def launch_chunk_kda_backward(
 
     block_k = max(16, triton.next_power_of_2(head_k))  # tl.dot needs dims >= 16
     block_v = max(16, triton.next_power_of_2(head_v))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # fp16's range (e^11) cannot hold the in-block factors (up to e^75): exact path there.
-    safe = (
-        lower_bound is not None
-        and A_log is not None
-        and lower_bound >= SAFE_GATE_LOWER_BOUND
-        and q.dtype != torch.float16
-    )
-    flags = dict(
-        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None and A_log is not None, SAFE_GATE=safe,
-        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-    )  # fmt: skip
+    flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
+                          use_beta_sigmoid)  # fmt: skip
+    precision = flags["DOT_PRECISION"]
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
-                 BN=triton.next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK)  # fmt: skip
+                 BN=triton.next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
     gate_args = (A_log, dt_bias, cu_seqlens, offsets)
     lower = 0.0 if lower_bound is None else lower_bound
     warps = 4 if block_k <= 64 else 8

@@ -9,6 +9,16 @@ from torch import Tensor
 
 
 @triton.jit
+def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """Log-decay from ``x = g_raw + dt_bias`` in fp32, ``rate = exp(A_log)``
+    (``reference.kda_gate``): the safe gate ``lower_bound · sigmoid(rate · x)``, or
+    ``-rate · softplus(x)`` with the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``."""
+    if USE_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(rate * x)
+    return -rate * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+
+
+@triton.jit
 def kda_gate_kernel(
     g, A_log, dt_bias, lower_bound, n_rows, out,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
@@ -23,11 +33,7 @@ def kda_gate_kernel(
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + heads[:, None] * K + cols[None, :], mask=mask, other=0.0)
     rate = tl.exp(tl.load(A_log + heads, mask=rows < n_rows, other=0.0).to(tl.float32))[:, None]
-    if USE_LOWER_BOUND:
-        b_out = lower_bound * tl.sigmoid(rate * b_g)
-    else:
-        b_out = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
-    tl.store(out + offsets, b_out, mask=mask)
+    tl.store(out + offsets, gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND), mask=mask)
 
 
 def launch_kda_gate(

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-L2NORM_EPS = tl.constexpr(1e-6)
+from kda_ops.kernels.chunk import L2NORM_EPS
+from kda_ops.kernels.gate import gate_activation
 
 
 @triton.jit
@@ -71,11 +72,7 @@ def recurrent_kda_kernel(
         if USE_GATE:
             if HAS_DT_BIAS:
                 b_g = b_g + gate_bias
-            if USE_LOWER_BOUND:
-                b_g = lower_bound * tl.sigmoid(rate * b_g)
-            else:
-                # softplus(x) = max(x, 0) + log1p(exp(-|x|)), overflow-free
-                b_g = -rate * (tl.maximum(b_g, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_g))))
+            b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
         if USE_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
