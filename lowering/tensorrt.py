@@ -255,7 +255,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
     block_k, block_v, precision = _chunk_blocks(config)
     return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"], BK=block_k,
                 BV=min(block_v, 64), HAS_INITIAL_STATE=True, IS_VARLEN=False,
-                DOT_PRECISION=precision, STORE_CHUNK_STATES=False)  # fmt: skip
+                DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
+                STORE_OUTPUT=True)  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:

@@ -365,7 +365,7 @@ def chunk_recurrence_kernel(
     o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -406,10 +406,11 @@ def chunk_recurrence_kernel(
         v_new = b_u.to(tl.float32) - tl.dot(b_w.to(dot_dtype), b_state,
                                             input_precision=DOT_PRECISION)  # fmt: skip
         v_new = tl.where(mask_rows_v, v_new, 0.0).to(dot_dtype)
-        b_o = tl.dot(b_qg.to(dot_dtype), b_state, input_precision=DOT_PRECISION)
-        b_o += tl.dot(b_aqk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
-        tl.store(o + token_offsets * V + offs_v[None, :], b_o.to(o.dtype.element_ty),
-                 mask=mask_rows_v)  # fmt: skip
+        if STORE_OUTPUT:
+            b_o = tl.dot(b_qg.to(dot_dtype), b_state, input_precision=DOT_PRECISION)
+            b_o += tl.dot(b_aqk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
+            tl.store(o + token_offsets * V + offs_v[None, :], b_o.to(o.dtype.element_ty),
+                     mask=mask_rows_v)  # fmt: skip
         state = state * decay_last[:, None] + tl.dot(
             tl.trans(b_kd.to(dot_dtype)), v_new, input_precision=DOT_PRECISION
         )
@@ -480,8 +481,10 @@ def launch_chunk_kda(
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
     chunk_states: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
-    """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype) and the fp32 final state.
+    output: bool = True,
+) -> tuple[Optional[Tensor], Tensor]:
+    """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
+    ``output=False``, which skips the output products) and the fp32 final state.
     Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32.
 
     ``chunk_states``: optional contiguous fp32 output ``[R, HV, K, V]`` with
@@ -521,7 +524,7 @@ def launch_chunk_kda(
         # uncapped (H200, T = 8192, H = 96, bf16).
         num_warps=4 if block_k <= 64 else 8, maxnreg=128,
     )  # fmt: skip
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if output else None
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
@@ -531,6 +534,7 @@ def launch_chunk_kda(
         o, final_state, chunk_states,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None, num_warps=4,
+        DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
+        STORE_OUTPUT=output, num_warps=4,
     )  # fmt: skip
     return o, final_state

@@ -673,7 +673,7 @@ def launch_chunk_kda_backward(
     chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
     launch_chunk_kda(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_beta_sigmoid, chunk_states=chunk_states,
+        use_qk_l2norm, use_beta_sigmoid, chunk_states=chunk_states, output=False,
     )  # fmt: skip
 
     block_k = max(16, triton.next_power_of_2(head_k))  # tl.dot needs dims >= 16

@@ -91,3 +91,8 @@ def test_chunk_states(variant, cu_seqlens, shape):
     torch.testing.assert_close(chunk_states[:used], expected)
     assert chunk_states[used:].isnan().all()
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
+    # The backward's re-run: states only, no output products.
+    states_only = torch.full_like(chunk_states, float("nan"))
+    no_output, state_only = launch_chunk_kda(*args, chunk_states=states_only, output=False)
+    assert no_output is None and torch.equal(state_only, state)
+    assert torch.equal(states_only[:used], chunk_states[:used])
