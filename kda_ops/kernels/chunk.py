@@ -49,8 +49,10 @@ L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
 @triton.jit
 def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
                  BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
-    """(first token of chunk i_c, tokens left in its sequence from there); none left for
-    the programs of the varlen grid's upper bound that have no chunk."""
+    """(first token of chunk i_c, tokens left in its sequence from there), both int64; none
+    left for the programs of the varlen grid's upper bound that have no chunk."""
+    # One return after a constexpr if/else: Triton 3.6 type-checks every return it
+    # reaches, and code after an early `return` inside a constexpr branch is reached.
     if IS_VARLEN:
         seqs = tl.arange(0, BN)
         ends = tl.load(chunk_offsets + 1 + seqs, mask=seqs < n_seqs, other=2**31 - 1)
@@ -60,22 +62,28 @@ def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
         bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
         eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
         start = bos + (i_c - first_chunk).to(tl.int64) * 64
-        return start, tl.where(valid, eos - start, 0)
-    n_chunks = tl.cdiv(length, 64)
-    seq = i_c // n_chunks
-    start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * 64
-    return start, (seq + 1).to(tl.int64) * length - start
+        remaining = tl.where(valid, eos - start, 0)
+    else:
+        n_chunks = tl.cdiv(length, 64)
+        seq = i_c // n_chunks
+        start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * 64
+        remaining = (seq + 1).to(tl.int64) * length - start
+    return start, remaining
 
 
 @triton.jit
 def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr):
     """(first token, length, global number of the first chunk) of sequence i_n, for the
-    head-parallel scans over its chunks."""
+    head-parallel scans over its chunks; int64, int64, int32."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        return bos, seq_len, tl.load(chunk_offsets + i_n)
-    return i_n.to(tl.int64) * length, length, i_n * tl.cdiv(length, 64)
+        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * length
+        seq_len = (i_n * 0 + length).to(tl.int64)
+        first_chunk = i_n * tl.cdiv(length, 64)
+    return bos, seq_len, first_chunk
 
 
 @triton.jit

@@ -1,5 +1,6 @@
-"""Context parallelism over gloo: 2 and 4 spawned ranks give the outputs, final states and
-gradients of one process running the whole batch (float64), for fixed length and varlen.
+"""Context parallelism over gloo (2 and 4 spawned CPU ranks) and NCCL (one rank per GPU) gives
+the outputs, final states and gradients of one process running the whole batch (float64),
+for fixed length and varlen.
 Each rank builds the same seeded inputs, runs its slice through kda_ops.distributed and
 checks it against the single-process result it computes itself; a failed check fails the
 spawn."""
@@ -138,10 +139,13 @@ def _check_conv_halo(rank: int, world: int, cuts: Optional[list[int]]) -> None:
         torch.testing.assert_close(_all_reduce(g_cp), g_ref, msg=f"conv {cuts}: gradient of {name}")
 
 
-def _worker(rank: int, world: int, store: str) -> None:
+def _worker(rank: int, world: int, store: str, backend: str) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":  # every tensor the checks create lives on the rank's own GPU
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        backend, init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
     try:
@@ -151,23 +155,33 @@ def _worker(rank: int, world: int, store: str) -> None:
         for cuts in (None, *VARLEN.values()):
             torch.manual_seed(1)
             _check_conv_halo(rank, world, cuts)
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
+        dist.barrier()  # no rank tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_matches_one_process(world, tmp_path):
+def _spawn(world: int, store: str, backend: str) -> None:
     context = mp.start_processes(
-        _worker, args=(world, str(tmp_path / "store")), nprocs=world, join=False,
-        start_method="spawn",
-    )  # fmt: skip
+        _worker, args=(world, store, backend), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"{world} gloo ranks did not finish in {TIMEOUT_S} s")
+            pytest.fail(f"{world} {backend} ranks did not finish in {TIMEOUT_S} s")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_one_process(world, tmp_path):
+    _spawn(world, str(tmp_path / "store"), "gloo")
+
+
+@pytest.mark.gpu
+def test_context_parallel_over_nccl(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL context parallelism needs two GPUs on one host")
+    _spawn(torch.cuda.device_count(), str(tmp_path / "store"), "nccl")
 
 
 @pytest.mark.parametrize(
