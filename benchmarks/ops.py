@@ -133,6 +133,7 @@ def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
 BENCHES = {
     "chunk96": lambda: [bench_chunk(96)],
     "chunk64": lambda: [bench_chunk(64)],
+    "chunk32": lambda: [bench_chunk(32)],  # Kimi Linear's heads (benchmarks/hybrid.py)
     "chunk_varlen": lambda: [bench_chunk_varlen()],
     "chunk_backward": lambda: [bench_chunk_backward()],
     "decode": bench_decode,

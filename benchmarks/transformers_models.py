@@ -139,10 +139,10 @@ def main() -> None:
     args.decode_steps = 8 if args.quick else 32
     _check_environment()
     names = ["kimi_linear", "qwen3_next"] if args.model == "all" else [args.model]
-    rows = [row for name in names for row in measure(name, args)]
     print(f"{'case':<44} {'FLA eager tok/s':>16} {'kda_ops compiled tok/s':>23} {'ratio':>7}")
-    for case, fla, ours in rows:
-        print(f"{case:<44} {fla:>16.0f} {ours:>23.0f} {ours / fla:>6.2f}x")
+    for name in names:  # each model's rows as soon as they are measured
+        for case, fla, ours in measure(name, args):
+            print(f"{case:<44} {fla:>16.0f} {ours:>23.0f} {ours / fla:>6.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ at most 1 (row side decayed from its block's start, column side to its block's e
 the gap between the two blocks). Inside a diagonal block, with the safe gate
 (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
 most e^80 (inside fp32 and bf16 range) and the block is one dense dot; any other gate,
-and fp16, takes the exact token-by-token path for diagonal blocks.
+and fp16, splits the block's pairs dyadically (four levels of two dots, every factor at
+most 1; ``_diagonal_block``).
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -156,27 +157,41 @@ def unit_rows(rows, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_block(r_q, r_k, q_in, k_in, local, DOT_DTYPE: tl.constexpr,
+def _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, DOT_DTYPE: tl.constexpr,
                     SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
-    ``local`` being the cumulative log-decay from the block's start and ``q_in``, ``k_in``
-    the rows decayed by it. Entries above the diagonal are left for the caller to mask."""
+    ``local`` being the cumulative log-decay from the block's start, ``b_g`` the per-token
+    log-decay and ``q_in``, ``k_in`` the rows decayed by ``local``. Entries above the
+    diagonal are left for the caller to mask (kk's diagonal too)."""
     if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
         to_col = tl.trans((r_k * tl.exp(-local)).to(DOT_DTYPE))
         kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
         qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
-    else:  # exact pairs, one column at a time
+    else:
+        # Any decay, exactly: the pairs are split dyadically. At level h, the rows of the
+        # upper half of each 2h-row group pair with the columns of its lower half through
+        # the group's middle row m: exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j), both
+        # factors <= 1. Their exponents are partial sums of the log-decay, taken as dots of
+        # a 0/1 span matrix with the gate in split-tf32 ("tf32x3", ~fp32 exact: plain tf32
+        # would err by ~1e-3 of a decay that can reach hundreds).
         sub = tl.arange(0, BLOCK)
+        qk = tl.where(sub[:, None] == sub[None, :], tl.sum(r_q * r_k, axis=1)[:, None], 0.0)
         kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        qk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        for j in range(0, BLOCK):
-            pick = sub[:, None] == j
-            col_k = tl.sum(tl.where(pick, r_k, 0.0), axis=0)
-            col_local = tl.sum(tl.where(pick, local, 0.0), axis=0)
-            pair = tl.where(sub[:, None] >= j, local - col_local[None, :], -float("inf"))
-            decayed = col_k[None, :] * tl.exp(pair)
-            kk = tl.where(sub[None, :] == j, tl.sum(r_k * decayed, axis=1)[:, None], kk)
-            qk = tl.where(sub[None, :] == j, tl.sum(r_q * decayed, axis=1)[:, None], qk)
+        for level in tl.static_range(LOG2_BLOCK):
+            half = 1 << level
+            group = sub // (2 * half)
+            upper = sub % (2 * half) >= half
+            middle = group * 2 * half + half
+            token = sub[None, :]
+            span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
+                            (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
+            factor = tl.exp(tl.dot(span.to(tl.float32), b_g, input_precision="tf32x3"))
+            rows_k = tl.where(upper[:, None], r_k * factor, 0.0).to(DOT_DTYPE)
+            rows_q = tl.where(upper[:, None], r_q * factor, 0.0).to(DOT_DTYPE)
+            cols = tl.trans(tl.where(upper[:, None], 0.0, r_k * factor).to(DOT_DTYPE))
+            same = group[:, None] == group[None, :]
+            kk += tl.where(same, tl.dot(rows_k, cols, input_precision=DOT_PRECISION), 0.0)
+            qk += tl.where(same, tl.dot(rows_q, cols, input_precision=DOT_PRECISION), 0.0)
     return qk, kk
 
 
@@ -215,7 +230,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     from_start = tl.exp(local)
     k_in = r_k * from_start
     q_in = r_q * from_start
-    qk, kk = _diagonal_block(r_q, r_k, q_in, k_in, local, qg.dtype.element_ty, SAFE_GATE,
+    qk, kk = _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
                              DOT_PRECISION)  # fmt: skip
     qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
     tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
