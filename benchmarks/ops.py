@@ -80,12 +80,15 @@ def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4) -> Row:
     return Row(f"conv update B={batch} D={channels} W={width} bf16", ours, peer, nbytes)
 
 
-def bench_chunk(heads, length=8192, dim=128) -> Row:
+def bench_chunk(heads, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
+    """Forward; ``lower_bound=None`` is Kimi Linear's unbounded softplus gate."""
     x = kda_inputs(1, length, heads, dim)
-    ours = time_ms(lambda: kda_ops.chunk_kda(**x, **IN_KERNEL))
-    peer = time_ms(lambda: fla_chunk_kda(**x, **IN_KERNEL))
+    options = dict(IN_KERNEL, lower_bound=lower_bound)
+    ours = time_ms(lambda: kda_ops.chunk_kda(**x, **options))
+    peer = time_ms(lambda: fla_chunk_kda(**x, **options))
     nbytes = 5 * x["q"].numel() * 2
-    return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16", ours, peer, nbytes)
+    gate = "" if lower_bound == LOWER_BOUND else ", softplus gate"
+    return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16{gate}", ours, peer, nbytes)
 
 
 def bench_chunk_varlen(heads=96, dim=128) -> Row:
@@ -134,6 +137,7 @@ BENCHES = {
     "chunk96": lambda: [bench_chunk(96)],
     "chunk64": lambda: [bench_chunk(64)],
     "chunk32": lambda: [bench_chunk(32)],  # Kimi Linear's heads (benchmarks/hybrid.py)
+    "chunk32_softplus": lambda: [bench_chunk(32, lower_bound=None)],  # ... and its gate
     "chunk_varlen": lambda: [bench_chunk_varlen()],
     "chunk_backward": lambda: [bench_chunk_backward()],
     "decode": bench_decode,

@@ -53,18 +53,22 @@ def causal_conv1d_kernel(
         slot = tl.load(state_indices + seq, mask=valid, other=-1).to(tl.int64)
         has_history = valid & (slot >= 0)
 
+    # Only blocks holding one of a sequence's first W - 1 tokens read the state: its
+    # strided gather costs an instruction per element even where fully masked off.
+    reads_state = tl.min(tl.where(has_history, position, W)) < W - 1
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for tap in tl.static_range(W):
         source = position - (W - 1 - tap)
         in_x = (valid & (source >= 0))[:, None] & mask_d[None, :]
         b_x = tl.load(x + (tokens - (W - 1 - tap))[:, None] * D + cols[None, :], mask=in_x,
                       other=0.0).to(tl.float32)  # fmt: skip
-        if HAS_STATE:
-            in_state = (has_history & (source < 0))[:, None] & mask_d[None, :]
-            state_offsets = (slot[:, None] * D + cols[None, :]) * (W - 1) + (W - 1 + source)[
-                :, None
-            ]
-            b_x += tl.load(state + state_offsets, mask=in_state, other=0.0).to(tl.float32)
+        if HAS_STATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if reads_state:
+                in_state = (has_history & (source < 0))[:, None] & mask_d[None, :]
+                state_offsets = (slot[:, None] * D + cols[None, :]) * (W - 1) + (W - 1 + source)[
+                    :, None
+                ]
+                b_x += tl.load(state + state_offsets, mask=in_state, other=0.0).to(tl.float32)
         b_w = tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
         acc += b_x * b_w[None, :]
     if HAS_BIAS:
