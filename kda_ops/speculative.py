@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import reference
+from kda_ops import kernels, reference
 from kda_ops.delta_rule import (
     _gate_args,
     _resolve_scale,
@@ -39,6 +39,36 @@ from kda_ops.delta_rule import (
     scatter_pool_states,
 )
 from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+
+
+def verify_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    state_pool: Tensor,
+    state_indices: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor]:
+    """kda::verify on CPU, and for float64 on CUDA: the recurrence one token at a time from
+    the pool states."""
+    state = gather_pool_states(state_pool, state_indices)
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        step = (x[:, t : t + 1] for x in (q, k, v, g, beta))
+        o, state = reference.delta_rule(
+            reference.recurrent_delta_rule, *step, A_log, dt_bias, state, None, scale,
+            lower_bound, use_qk_l2norm, use_beta_sigmoid,
+        )  # fmt: skip
+        outputs.append(o)
+        states.append(state.to(state_pool.dtype))
+    return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
 
 
 @torch.library.custom_op("kda::verify", mutates_args=())
@@ -57,18 +87,31 @@ def verify_op(
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Reference (every device): the recurrence one token at a time from the pool states."""
-    state = gather_pool_states(state_pool, state_indices)
-    outputs, states = [], []
-    for t in range(q.shape[1]):
-        step = (x[:, t : t + 1] for x in (q, k, v, g, beta))
-        o, state = reference.delta_rule(
-            reference.recurrent_delta_rule, *step, A_log, dt_bias, state, None, scale,
-            lower_bound, use_qk_l2norm, use_beta_sigmoid,
+    return verify_reference(
+        q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
+        use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
+
+
+if kernels.AVAILABLE:
+    from kda_ops.kernels.recurrent import launch_recurrent_kda
+
+    @verify_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
+          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        """One launch of the recurrent kernel: reads the pool slots, writes the state
+        after every draft token (and no final state)."""
+        args = (q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale,
+                lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
+        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return verify_reference(*args)
+        batch, length, value_heads, head_v = v.shape
+        states = state_pool.new_empty(batch, length, value_heads, q.shape[3], head_v)
+        o = launch_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, state_pool, None, state_indices, None, scale,
+            lower_bound, use_qk_l2norm, use_beta_sigmoid, step_states=states,
         )  # fmt: skip
-        outputs.append(o)
-        states.append(state.to(state_pool.dtype))
-    return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
+        return o, states
 
 
 @verify_op.register_fake

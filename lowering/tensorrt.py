@@ -167,7 +167,8 @@ def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
         HAS_DT_BIAS=_use_gate(config), USE_LOWER_BOUND=lower_bound is not None,
         USE_L2NORM=bool(config.get("use_qk_l2norm", True)),
         USE_BETA_SIGMOID=bool(config.get("use_beta_sigmoid", True)),
-        HAS_STATE_IN=True, USE_INDICES=False, IS_VARLEN=False,
+        HAS_STATE_IN=True, USE_INDICES=False, IS_VARLEN=False, STORE_FINAL_STATE=True,
+        STORE_STEP_STATES=False,
     )  # fmt: skip
 
 
@@ -183,7 +184,7 @@ def _recurrent() -> PluginKernel:
         inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in"),
         int_args={"length": lambda s: s["q"][1]},
         outputs=("o", "state_out"),
-        absent=("state_indices", "cu_seqlens"),
+        absent=("state_indices", "cu_seqlens", "step_states"),
         constexprs=_recurrent_constexprs,
         grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["q"][0] * c["HV"], 1),
         float32_params=("A_log", "dt_bias", "state_in", "state_out"),

@@ -2,8 +2,10 @@
 
 One program owns a ``[K, BV]`` slice of one sequence's state for one value head and walks
 its tokens; the state never leaves registers between tokens. The same kernel serves the
-functional op (read ``initial_state[n]``, write a new state) and the in-place pool op (read
-and write ``pool[state_indices[n]]``; a negative index is padding: zero start, no write).
+functional op (read ``initial_state[n]``, write a new state), the in-place pool op (read
+and write ``pool[state_indices[n]]``; a negative index is padding: zero start, no write)
+and speculative verify (read the pool, write the state after every token instead of the
+final one, ``STORE_STEP_STATES``).
 """
 
 from typing import Optional
@@ -20,12 +22,13 @@ from kda_ops.kernels.gate import gate_activation
 @triton.jit
 def recurrent_kda_kernel(
     q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
-    scale, lower_bound, length, o, state_out,
+    scale, lower_bound, length, o, state_out, step_states,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_STATE_IN: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, STORE_STEP_STATES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -87,8 +90,14 @@ def recurrent_kda_kernel(
         state += b_k[:, None] * ((b_v - v_hat) * b_beta)[None, :]
         b_o = tl.sum(state * b_q[:, None], axis=0) * scale
         tl.store(o + (token * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        if STORE_STEP_STATES:  # [N, T, HV, K, V], padding sequences included
+            step = ((i_n.to(tl.int64) * length + t) * HV + i_hv) * K * V
+            tl.store(step_states + step + offs_k[:, None] * V + offs_v[None, :],
+                     state.to(step_states.dtype.element_ty),
+                     mask=mask_k[:, None] & mask_v[None, :])  # fmt: skip
 
-    tl.store(state_out + state_offsets, state.to(state_out.dtype.element_ty), mask=mask_state)
+    if STORE_FINAL_STATE:
+        tl.store(state_out + state_offsets, state.to(state_out.dtype.element_ty), mask=mask_state)
 
 
 def launch_recurrent_kda(
@@ -100,16 +109,19 @@ def launch_recurrent_kda(
     A_log: Optional[Tensor],
     dt_bias: Optional[Tensor],
     state_in: Optional[Tensor],
-    state_out: Tensor,
+    state_out: Optional[Tensor],
     state_indices: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     scale: float,
     lower_bound: Optional[float],
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
+    step_states: Optional[Tensor] = None,
 ) -> Tensor:
-    """Runs the recurrence; writes final states into ``state_out`` (may be ``state_in``)
-    and returns o ``[B, T, HV, V]`` in v's dtype. Shapes as in ``kda_ops.delta_rule``."""
+    """Runs the recurrence; writes final states into ``state_out`` (may be ``state_in``;
+    ``None`` writes none) and, when given, the state after every token into ``step_states``
+    (contiguous ``[B, T, HV, K, V]``, fixed length only); returns o ``[B, T, HV, V]`` in v's
+    dtype. Shapes as in ``kda_ops.delta_rule``."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
@@ -120,12 +132,13 @@ def launch_recurrent_kda(
     grid = (triton.cdiv(head_v, block_v), n_seqs * value_heads)
     recurrent_kda_kernel[grid](
         q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
-        scale, 0.0 if lower_bound is None else lower_bound, length, o, state_out,
+        scale, 0.0 if lower_bound is None else lower_bound, length, o, state_out, step_states,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, HAS_STATE_IN=state_in is not None,
         USE_INDICES=state_indices is not None, IS_VARLEN=cu_seqlens is not None,
+        STORE_FINAL_STATE=state_out is not None, STORE_STEP_STATES=step_states is not None,
         num_warps=4,
     )  # fmt: skip
     return o

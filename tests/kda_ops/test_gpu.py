@@ -88,6 +88,32 @@ def test_recurrent_pool_untouched_slots_bit_identical():
     assert not torch.equal(pool[touched], before[touched])
 
 
+def test_speculative_verify_kernel_and_commit():
+    """kda::verify's CUDA kernel (every draft position's state, the pool untouched)
+    against the float64 reference; commit of the accepted prefixes."""
+    from kda_ops import speculative
+
+    x = kda_inputs(8, 4, 4, 8)
+    pool = torch.randn(20, 8, 128, 128, device="cuda")
+    before = pool.clone()
+    indices = torch.arange(8, device="cuda") * 2
+    indices[3] = -1
+    kwargs = dict(A_log=x.pop("A_log"), dt_bias=x.pop("dt_bias"), lower_bound=-5.0, **IN_KERNEL)
+    o, states = speculative.verify(*x.values(), pool, indices, **kwargs)
+    assert torch.equal(pool, before)
+    gate64 = {name: kwargs[name].double() for name in ("A_log", "dt_bias")}
+    o_ref, states_ref = speculative.verify(*float64(x).values(), pool.double(), indices,
+                                           **(kwargs | gate64))  # fmt: skip
+    assert relative_error(o, o_ref) < 5e-3
+    assert relative_error(states, states_ref) < 1e-5
+    accepted = torch.tensor([0, 1, 2, 3, 4, 4, 1, 0], device="cuda")
+    speculative.commit(pool, states, accepted, indices)
+    for n, slot in enumerate(indices.tolist()):
+        if slot >= 0:
+            want = before[slot] if accepted[n] == 0 else states[n, accepted[n] - 1]
+            assert torch.equal(pool[slot], want)
+
+
 def test_gated_rms_norm_against_reference_and_fla():
     x, gate = torch.randn(2, 4096, 32, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
     weight = torch.randn(128, device="cuda")

@@ -5,6 +5,7 @@ import torch
 
 from kda_ops import reference
 from kda_ops.kernels.recurrent import launch_recurrent_kda
+from kda_ops.speculative import verify_reference
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
 
@@ -83,3 +84,23 @@ def test_bf16_pool_round_trip():
     o_ref, state_ref = expected(x, None, -5.0, start)
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(pool[[2, 0]], state_ref.bfloat16())
+
+
+@pytest.mark.parametrize("scalar_gate", [False, True])
+def test_step_states_for_speculative_verify(scalar_gate):
+    """STORE_STEP_STATES without a final state: the state after every token of every
+    sequence (padding included), the pool untouched; what kda::verify runs on CUDA."""
+    x = make(torch.float32, batch=3, length=4, head_k=16, head_v=8, scalar_gate=scalar_gate)
+    pool = torch.randn(5, 2, 16, 8, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([3, -1, 0], device=DEVICE)
+    steps = torch.empty(3, 4, 2, 16, 8, device=DEVICE)
+    o = launch_recurrent_kda(
+        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, None, indices, None,
+        0.3, -5.0, True, True, step_states=steps,
+    )  # fmt: skip
+    o_ref, steps_ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool,
+                                        indices, 0.3, -5.0, True, True)  # fmt: skip
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(steps, steps_ref)
+    assert torch.equal(pool, before)
