@@ -71,26 +71,7 @@ def verify_reference(
     return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
 
 
-@torch.library.custom_op("kda::verify", mutates_args=())
-def verify_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    state_pool: Tensor,
-    state_indices: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
-) -> tuple[Tensor, Tensor]:
-    return verify_reference(
-        q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
-        use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
+verify_op = torch.library.custom_op("kda::verify", mutates_args=())(verify_reference)
 
 
 if kernels.AVAILABLE:
