@@ -87,7 +87,7 @@ def bench_chunk(heads, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
     ours = time_ms(lambda: kda_ops.chunk_kda(**x, **options))
     peer = time_ms(lambda: fla_chunk_kda(**x, **options))
     nbytes = 5 * x["q"].numel() * 2
-    gate = "" if lower_bound == LOWER_BOUND else ", softplus gate"
+    gate = ", softplus gate" if lower_bound is None else f", lower bound {lower_bound}"
     return Row(f"chunk_kda fwd B=1 T={length} H={heads} D={dim} bf16{gate}", ours, peer, nbytes)
 
 
