@@ -37,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops import reference
+from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_activation
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
@@ -164,7 +165,7 @@ def _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, DOT_DTYPE: tl.constexpr,
     log-decay and ``q_in``, ``k_in`` the rows decayed by ``local``. Entries above the
     diagonal are left for the caller to mask (kk's diagonal too)."""
     if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
-        to_col = tl.trans((r_k * tl.exp(-local)).to(DOT_DTYPE))
+        to_col = tl.trans((r_k * fast_exp(-local)).to(DOT_DTYPE))
         kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
         qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
     else:
@@ -185,7 +186,7 @@ def _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, DOT_DTYPE: tl.constexpr,
             token = sub[None, :]
             span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
                             (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
-            factor = tl.exp(tl.dot(span.to(tl.float32), b_g, input_precision="tf32x3"))
+            factor = fast_exp(tl.dot(span.to(tl.float32), b_g, input_precision="tf32x3"))
             rows_k = tl.where(upper[:, None], r_k * factor, 0.0).to(DOT_DTYPE)
             rows_q = tl.where(upper[:, None], r_q * factor, 0.0).to(DOT_DTYPE)
             cols = tl.trans(tl.where(upper[:, None], 0.0, r_k * factor).to(DOT_DTYPE))
@@ -227,7 +228,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
         r_beta = tl.where(in_seq, tl.sigmoid(r_beta), 0.0)
     r_v = r_v.to(tl.float32)
 
-    from_start = tl.exp(local)
+    from_start = fast_exp(local)
     k_in = r_k * from_start
     q_in = r_q * from_start
     qk, kk = _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
@@ -236,8 +237,8 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
 
-    k_out = r_k * tl.exp(block_decay[None, :] - local)
-    to_chunk_start = tl.exp(decay_before)[None, :]
+    k_out = r_k * fast_exp(block_decay[None, :] - local)
+    to_chunk_start = fast_exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
     rhs_u = r_beta[:, None] * r_v
     rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
@@ -253,7 +254,7 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
     subtracts ``A_ij [w_j, u_j]`` from the row block's right-hand sides. The gap between
     the column block's end and the row block's start decays both sides (factor <= 1)."""
     dot_dtype = col_w.dtype
-    gap = tl.exp(decay_before - col_decay_after)[None, :]
+    gap = fast_exp(decay_before - col_decay_after)[None, :]
     col = tl.trans(col_k_out.to(dot_dtype))
     a_qk = tl.dot((q_in * gap).to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
     tl.store(aqk_tile, a_qk.to(aqk_tile.dtype.element_ty))
@@ -290,7 +291,7 @@ def _store_kd(kd, k_out, decay_after, chunk_decay, start, remaining, i_b, i_hv, 
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    b_kd = k_out * tl.exp(chunk_decay - decay_after)[None, :]
+    b_kd = k_out * fast_exp(chunk_decay - decay_after)[None, :]
     tl.store(kd + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
              b_kd.to(kd.dtype.element_ty), mask=in_seq[:, None] & mask_k[None, :])  # fmt: skip
 
@@ -423,7 +424,7 @@ def chunk_recurrence_kernel(
         b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
         # Blocks above the diagonal are never written (no zero-filled buffer needed).
         b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
-        decay_last = tl.exp(tl.load(chunk_decay + chunk_id * K + offs_k, mask=mask_k, other=0.0))
+        decay_last = fast_exp(tl.load(chunk_decay + chunk_id * K + offs_k, mask=mask_k, other=0.0))
 
         b_state = state.to(dot_dtype)
         v_new = b_u.to(tl.float32) - tl.dot(b_w.to(dot_dtype), b_state,
