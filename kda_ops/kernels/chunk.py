@@ -19,7 +19,7 @@ the gap between the two blocks). Inside a diagonal block, with the safe gate
 (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
 most e^80 (inside fp32 and bf16 range) and the block is one dense dot; any other gate,
 and fp16, splits the block's pairs dyadically (four levels of two dots, every factor at
-most 1; ``_diagonal_block``).
+most 1; ``diagonal_block``).
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -158,41 +158,63 @@ def unit_rows(rows, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, DOT_DTYPE: tl.constexpr,
-                    SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def dyadic_level(level: tl.constexpr, decay, CUMULATIVE: tl.constexpr):
+    """Level ``level`` (h = 2^level) of a diagonal block's dyadic split: the pairs j < i
+    with i in the upper half of a 2h-row group and j in its lower half, and the factors
+    that join them through the group's middle row m, exp(G_i - G_m) on upper rows and
+    exp(G_m - G_j) on lower ones, both <= 1 whatever the decay. Every pair j < i of the
+    block is at exactly one of the four levels, where exp(G_i - G_j) = factor_i factor_j.
+    Returns (pairs [BLOCK, BLOCK] bool, factor [BLOCK, BK] fp32).
+
+    ``decay`` is the per-token log-decay g, the exponents then sums of g over a span
+    (a 0/1 span matrix's dot with g in split-tf32, "tf32x3", ~fp32 exact: plain tf32 would
+    err by ~1e-3 of a decay that can reach hundreds); or with ``CUMULATIVE`` the
+    cumulative log-decay G, the exponents then differences with the middle row (gathered
+    by a one-hot "ieee" dot, exact)."""
+    sub = tl.arange(0, BLOCK)
+    half = 1 << level
+    group = sub // (2 * half)
+    upper = sub % (2 * half) >= half
+    middle = group * 2 * half + half
+    token = sub[None, :]
+    if CUMULATIVE:
+        at_middle = tl.dot((token == middle[:, None]).to(tl.float32), decay,
+                           input_precision="ieee")  # fmt: skip
+        exponent = tl.where(upper[:, None], decay - at_middle, at_middle - decay)
+    else:
+        span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
+                        (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
+        exponent = tl.dot(span.to(tl.float32), decay, input_precision="tf32x3")
+    pairs = (group[:, None] == group[None, :]) & upper[:, None] & (token < middle[:, None])
+    return pairs, tl.exp(exponent)
+
+
+@triton.jit
+def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
+                   SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   CUMULATIVE: tl.constexpr):  # fmt: skip
     """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
-    ``local`` being the cumulative log-decay from the block's start, ``b_g`` the per-token
-    log-decay and ``q_in``, ``k_in`` the rows decayed by ``local``. Entries above the
-    diagonal are left for the caller to mask (kk's diagonal too)."""
+    ``local`` being the cumulative log-decay from a reference row at or before the
+    block's start, ``q_in``, ``k_in`` the rows decayed by ``local`` and ``decay`` the
+    per-token log-decay (or, with ``CUMULATIVE``, the cumulative one; ``dyadic_level``).
+    Entries above the diagonal are left for the caller to mask (kk's diagonal too)."""
     if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
         to_col = tl.trans((r_k * fast_exp(-local)).to(DOT_DTYPE))
         kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
         qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
     else:
-        # Any decay, exactly: the pairs are split dyadically. At level h, the rows of the
-        # upper half of each 2h-row group pair with the columns of its lower half through
-        # the group's middle row m: exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j), both
-        # factors <= 1. Their exponents are partial sums of the log-decay, taken as dots of
-        # a 0/1 span matrix with the gate in split-tf32 ("tf32x3", ~fp32 exact: plain tf32
-        # would err by ~1e-3 of a decay that can reach hundreds).
+        # Any decay, exactly: two dots a level of the dyadic split, whose factors scale
+        # both the rows and the columns (only the level's pairs are kept).
         sub = tl.arange(0, BLOCK)
         qk = tl.where(sub[:, None] == sub[None, :], tl.sum(r_q * r_k, axis=1)[:, None], 0.0)
         kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
         for level in tl.static_range(LOG2_BLOCK):
-            half = 1 << level
-            group = sub // (2 * half)
-            upper = sub % (2 * half) >= half
-            middle = group * 2 * half + half
-            token = sub[None, :]
-            span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
-                            (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
-            factor = fast_exp(tl.dot(span.to(tl.float32), b_g, input_precision="tf32x3"))
-            rows_k = tl.where(upper[:, None], r_k * factor, 0.0).to(DOT_DTYPE)
-            rows_q = tl.where(upper[:, None], r_q * factor, 0.0).to(DOT_DTYPE)
-            cols = tl.trans(tl.where(upper[:, None], 0.0, r_k * factor).to(DOT_DTYPE))
-            same = group[:, None] == group[None, :]
-            kk += tl.where(same, tl.dot(rows_k, cols, input_precision=DOT_PRECISION), 0.0)
-            qk += tl.where(same, tl.dot(rows_q, cols, input_precision=DOT_PRECISION), 0.0)
+            pairs, factor = dyadic_level(level, decay, CUMULATIVE)
+            k_f = (r_k * factor).to(DOT_DTYPE)
+            cols = tl.trans(k_f)
+            kk += tl.where(pairs, tl.dot(k_f, cols, input_precision=DOT_PRECISION), 0.0)
+            q_f = (r_q * factor).to(DOT_DTYPE)
+            qk += tl.where(pairs, tl.dot(q_f, cols, input_precision=DOT_PRECISION), 0.0)
     return qk, kk
 
 
@@ -231,8 +253,8 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     from_start = fast_exp(local)
     k_in = r_k * from_start
     q_in = r_q * from_start
-    qk, kk = _diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
-                             DOT_PRECISION)  # fmt: skip
+    qk, kk = diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
+                            DOT_PRECISION, False)  # fmt: skip
     qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
     tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)

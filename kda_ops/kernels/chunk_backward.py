@@ -42,12 +42,12 @@ apart each needs fewer registers.
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
 Inside a diagonal block, the safe gate (``-5 <= lower_bound < 0``, not fp16) bounds the
-growing half by e^75 and the block is a dense dot; every other gate takes an exact
-column-by-column path there. Accumulation is fp32; products with S / dS, dO and v_new
-use the input dtype (bf16 tensor cores), products with T use fp32 operands (tf32). The
-gate gradient is a difference: every pair term enters dG at its row and, negated, at its
-column, so the dense diagonal blocks of kernel 4 take exact fp32 products (see
-``_dense_diagonal_grads``).
+growing half by e^75 and the block is a dense dot; every other gate splits the block's
+pairs dyadically there, as the forward does (every factor at most 1; ``dyadic_level``).
+Accumulation is fp32; products with S / dS, dO and v_new use the input dtype (bf16 tensor
+cores), products with T use fp32 operands (tf32). The gate gradient is a difference:
+every pair term enters dG at its row and, negated, at its column, so the diagonal blocks
+of kernel 4 take exact fp32 products (see ``_dense_diagonal_grads``).
 
 Without grouped value heads (HV == H) kernel 4 also applies the l2norm backward and writes
 dq, dk in the inputs' dtype. With groups, q and k's gradients are sums over the group's
@@ -67,6 +67,9 @@ from kda_ops.kernels.chunk import (
     BLOCK,
     CHUNK,
     L2NORM_EPS,
+    LOG2_BLOCK,
+    diagonal_block,
+    dyadic_level,
     inverse_unit_lower,
     launch_chunk_kda,
     locate_chunk,
@@ -166,47 +169,45 @@ def _column(x, sub, j):
 
 
 @triton.jit
-def _exact_diagonal_pairs(r_q, r_k, r_cum, sub, BLOCK: tl.constexpr):
-    """``(Σ_c q_ic k_jc e^{G_ic - G_jc}, Σ_c k_ic k_jc e^{G_ic - G_jc})`` for i >= j of one
-    diagonal block (0 above), one column j at a time: exact for any gate."""
-    d_qk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-    d_kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-    for j in range(0, BLOCK):
-        pair = tl.where(sub[:, None] >= j, r_cum - _row(r_cum, sub, j)[None, :], -float("inf"))
-        decayed = _row(r_k, sub, j)[None, :] * tl.exp(pair)
-        d_qk = tl.where(sub[None, :] == j, tl.sum(r_q * decayed, axis=1)[:, None], d_qk)
-        d_kk = tl.where(sub[None, :] == j, tl.sum(r_k * decayed, axis=1)[:, None], d_kk)
-    return d_qk, d_kk
-
-
-@triton.jit
-def _exact_diagonal_grads(m_a, m_q, d_a, r_q, r_k, r_cum, sub, BLOCK: tl.constexpr):
+def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
     """Gradients of one diagonal block of the pair matrices ``P_ij = Σ_c x_ic k_jc
-    e^{G_ic - G_jc}`` (x = k for A, x = q for Aqk) given their row-scaled cotangents m_a
-    = β_i dA_ij and m_q, exact for any gate. Returns (dk from A's rows, dq from Aqk's
-    rows, dk from both columns, dβ = Σ_j dA_ij (K K)_ij)."""
+    e^{G_ic - G_jc}`` (x = k for A, x = q for Aqk) given the cotangents dA (strictly
+    lower, scaled by β_i in A) and m_q (Aqk's, lower), exact for any gate. Returns
+    (dk from A's rows, dq from Aqk's rows, dk from both columns, dβ = Σ_j dA_ij (K K)_ij).
+
+    The pairs j < i go through the levels of the dyadic split (``dyadic_level``), whose
+    factors (<= 1) scale the rows and the columns of four dots a level; Aqk's r == c terms
+    need no decay and are added directly. Products are fp32 and the dots exact, as in
+    ``_dense_diagonal_grads`` and for the same reason: a pair term's two ends in dG, at its
+    row and at its column, must be rounded alike."""
+    sub = tl.arange(0, BLOCK)
+    m_q_diag = tl.sum(tl.where(sub[:, None] == sub[None, :], m_q, 0.0), axis=1)[:, None]
     row_k = tl.zeros_like(r_k)
-    row_q = tl.zeros_like(r_k)
-    col = tl.zeros_like(r_k)
+    row_q = m_q_diag * r_k
+    col = m_q_diag * r_q
     d_beta = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in range(0, BLOCK):
-        decay = tl.exp(tl.where(sub[:, None] >= j, r_cum - _row(r_cum, sub, j)[None, :],
-                                -float("inf")))  # fmt: skip
-        k_j = _row(r_k, sub, j)
-        ma_j = _column(m_a, sub, j)
-        mq_j = _column(m_q, sub, j)
-        row_k += ma_j[:, None] * k_j[None, :] * decay
-        row_q += mq_j[:, None] * k_j[None, :] * decay
-        d_beta += _column(d_a, sub, j) * tl.sum(r_k * k_j[None, :] * decay, axis=1)
-        col_j = tl.sum((ma_j[:, None] * r_k + mq_j[:, None] * r_q) * decay, axis=0)
-        col = tl.where(sub[:, None] == j, col_j[None, :], col)
+    for level in tl.static_range(LOG2_BLOCK):
+        pairs, factor = dyadic_level(level, r_cum, True)
+        k_f = r_k * factor
+        pair_a = tl.where(pairs, d_a, 0.0)
+        pair_q = tl.where(pairs, m_q, 0.0)
+        # Σ_j dA_ij k_j f_j gives both A's row term (times β_i f_i) and dβ (dotted with
+        # k_i f_i): no separate K Kᵀ dot.
+        a_rows = tl.dot(pair_a, k_f, input_precision="ieee")
+        row_k += r_beta[:, None] * factor * a_rows
+        d_beta += tl.sum(k_f * a_rows, axis=1)
+        row_q += factor * tl.dot(pair_q, k_f, input_precision="ieee")
+        col_f = tl.dot(tl.trans(pair_a), r_beta[:, None] * k_f, input_precision="ieee")
+        col_f += tl.dot(tl.trans(pair_q), r_q * factor, input_precision="ieee")
+        col += factor * col_f
     return row_k, row_q, col, d_beta
 
 
 @triton.jit
 def _dense_diagonal_grads(m_a, m_q, d_a, r_q, r_k, r_cum, ref):
-    """``_exact_diagonal_grads`` by dense dots with the pair factors split at the block's
-    first row ``ref`` (safe gate only: the growing half e^{ref - G} stays below e^75).
+    """``_dyadic_diagonal_grads``'s gradients, given m_a = β_i dA_ij, by dense dots with
+    the pair factors split at the block's first row ``ref`` (safe gate only: the growing
+    half e^{ref - G} stays below e^75).
 
     Operands stay fp32 and the dots exact whatever the inputs' dtype: each pair term
     enters dG twice, at its row (through k e^{ref - G}) and negated at its column (through
@@ -282,8 +283,9 @@ def chunk_bwd_prepare_kernel(
         r_beta = _load_beta_rows(beta, r_tok, r_in, i_hv, HV, USE_BETA_SIGMOID)
         r_cum = _load_cum_rows(cum_g, r_tok, r_in, i_hv, HV, K, offs_k, cum_last)
         ref = _row(r_cum, sub, 0)
-        r_k_ref = (r_k * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
-        r_q_ref = (r_q * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
+        local = r_cum - ref[None, :]
+        r_k_ref = (r_k * tl.exp(local)).to(dot_dtype)
+        r_q_ref = (r_q * tl.exp(local)).to(dot_dtype)
         block_rows = matrix + (i_b * BLOCK + sub)[:, None] * CHUNK + sub[None, :]
         for j_b in range(0, i_b):
             c_tok = start + j_b * BLOCK + sub
@@ -295,12 +297,8 @@ def chunk_bwd_prepare_kernel(
             a_qk = tl.dot(r_q_ref, c_k_ref, input_precision=DOT_PRECISION)
             tl.store(solve + block_rows + j_b * BLOCK, r_beta[:, None] * a_kk)
             tl.store(aqk + block_rows + j_b * BLOCK, scale * a_qk)
-        if SAFE_GATE:
-            d_k_ref = tl.trans((r_k * tl.exp(ref[None, :] - r_cum)).to(dot_dtype))
-            d_qk = tl.dot(r_q_ref, d_k_ref, input_precision=DOT_PRECISION)
-            d_kk = tl.dot(r_k_ref, d_k_ref, input_precision=DOT_PRECISION)
-        else:
-            d_qk, d_kk = _exact_diagonal_pairs(r_q, r_k, r_cum, sub, BLOCK)
+        d_qk, d_kk = diagonal_block(r_q, r_k, r_q_ref, r_k_ref, local, r_cum, dot_dtype,
+                                    SAFE_GATE, DOT_PRECISION, True)  # fmt: skip
         causal = sub[:, None] >= sub[None, :]
         strict = sub[:, None] > sub[None, :]
         tl.store(aqk + block_rows + i_b * BLOCK, tl.where(causal, scale * d_qk, 0.0))
@@ -583,18 +581,16 @@ def chunk_bwd_pairs_kernel(
             col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), (l_q * l_decay).to(dot_dtype),
                               input_precision=DOT_PRECISION)  # fmt: skip
             col += col_ref * tl.exp(l_ref[None, :] - r_cum)
-        # The diagonal block: dense fp32 dots at ref under the safe gate, else exact
-        # column by column.
+        # The diagonal block: dense fp32 dots at ref under the safe gate, else dyadic.
         d_a_blk = tl.load(solve + block_rows + i_b * BLOCK + sub[None, :])
         m_q = tl.load(aqk + block_rows + i_b * BLOCK + sub[None, :])
-        m_a = r_beta[:, None] * d_a_blk
         if SAFE_GATE:
             diag_k, diag_q, diag_col, diag_dbeta = _dense_diagonal_grads(
-                m_a, m_q, d_a_blk, r_q, r_k, r_cum, ref
+                r_beta[:, None] * d_a_blk, m_q, d_a_blk, r_q, r_k, r_cum, ref
             )
         else:
-            diag_k, diag_q, diag_col, diag_dbeta = _exact_diagonal_grads(
-                m_a, m_q, d_a_blk, r_q, r_k, r_cum, sub, BLOCK
+            diag_k, diag_q, diag_col, diag_dbeta = _dyadic_diagonal_grads(
+                d_a_blk, r_beta, m_q, r_q, r_k, r_cum
             )
         row_k = row_k * tl.exp(r_cum - ref[None, :]) + diag_k
         row_q = row_q * tl.exp(r_cum - ref[None, :]) + diag_q

@@ -103,8 +103,8 @@ def test_varlen_and_padded_head_dims():
                     head_k=8, head_v=24)  # fmt: skip
 
 
-def test_varlen_exact_diagonal():
-    """Packed sequences through the exact (column-by-column) diagonal-block path."""
+def test_varlen_dyadic_diagonal():
+    """Packed sequences through the dyadic (any gate) diagonal-block path."""
     check_gradients("softplus_gate", cu_seqlens=[0, 40, 100], length=100, n_seqs=2,
                     head_k=8, head_v=24)  # fmt: skip
 
@@ -121,3 +121,12 @@ def test_extreme_gates(variant, gate_shift):
     """Saturated gates: no decay at all, or (softplus at +30) the state forgotten at every
     token, where every decay factor underflows."""
     check_gradients(variant, gate_shift=gate_shift, length=40, head_k=16, head_v=16)
+
+
+@pytest.mark.parametrize("variant", ["softplus_gate", "pregated"])
+def test_large_decays_inside_a_block(variant):
+    """Decays of ~10 per token (e^160 over a 16-row block), where neighbouring pairs still
+    count (e^-10) but no reference row can hold a whole block: the dyadic diagonal path
+    stays finite and exact."""
+    shift = 10.0 if variant == "softplus_gate" else -10.0  # pregated g is the log-decay
+    check_gradients(variant, gate_shift=shift, length=70, head_k=16, head_v=16)
