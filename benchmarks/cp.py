@@ -22,6 +22,7 @@ from fla.ops.kda import chunk_kda as fla_chunk_kda
 from harness import Row, report, time_ms
 
 import kda_ops
+from kda_ops.kernels.chunk import launch_chunk_kda, recurrence_segments
 from kda_ops.segmented import plan_segments
 
 DEVICE = "cuda"
@@ -65,12 +66,30 @@ def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]
         rows.append(Row(f"segmented S={segments}{label} {shape_long}", ms, fla_long))
         if segments == planned:
             planned_ms = ms
+    rows += recurrence_rows(long, length, dim, fla_long, ours_split)
     print(f"\nFLA long / FLA split: {fla_long / fla_split:.3f}")
     print(f"ours plain long / ours split: {ours_long / ours_split:.3f}")
     print(f"ours segmented (S={planned}) long / ours split: {planned_ms / ours_split:.3f} "
           "(target <= 1.05)")  # fmt: skip
     print(f"ours segmented (S={planned}) / ours plain, long: {planned_ms / ours_long:.3f} "
           "(target < 1)")  # fmt: skip
+    return rows
+
+
+def recurrence_rows(long: dict, length: int, dim: int, fla_long: float,
+                    ours_split: float) -> list[Row]:  # fmt: skip
+    """Our chunk forward with its recurrence in S segments (S = 1: one serial scan; the
+    rest: ``_segmented_recurrence``), kernel-level, on the long sequence."""
+    args = (*(long[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), None, None,
+            dim**-0.5, IN_KERNEL["lower_bound"], True, True)  # fmt: skip
+    planned = recurrence_segments(1, length, long["v"].shape[2], None, torch.device(DEVICE))
+    rows = []
+    for segments in (1, 2, 4, 8, 16):
+        ms = time_ms(lambda s=segments: launch_chunk_kda(*args, segments=s))
+        label = " (planned)" if segments == planned else ""
+        rows.append(Row(f"recurrence in S={segments}{label} segments B=1 T={length}", ms,
+                        fla_long))  # fmt: skip
+        print(f"recurrence S={segments} long / ours split: {ms / ours_split:.3f}")
     return rows
 
 

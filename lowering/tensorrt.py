@@ -254,8 +254,9 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
 
 def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     block_k, block_v, precision = _chunk_blocks(config)
-    return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"], BK=block_k,
-                BV=min(block_v, 64), HAS_INITIAL_STATE=True, IS_VARLEN=False,
+    return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"],
+                WIDTH=config["head_v"], BK=block_k, BV=min(block_v, 64),
+                HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True)  # fmt: skip
 

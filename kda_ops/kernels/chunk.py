@@ -409,7 +409,8 @@ def chunk_prepare_kernel(
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
     o, final_state, chunk_states,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr,
 ):  # fmt: skip
@@ -419,15 +420,18 @@ def chunk_recurrence_kernel(
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
-    mask_v = offs_v < V
+    mask_v = offs_v < V  # value columns (u, o)
+    mask_s = offs_v < WIDTH  # state columns
     dot_dtype = qg.dtype.element_ty
 
-    tile_offsets = offs_k[:, None] * V + offs_v[None, :]  # within one [K, V] state
-    state_offsets = i_nh.to(tl.int64) * K * V + tile_offsets
-    state_mask = mask_k[:, None] & mask_v[None, :]
+    tile_offsets = offs_k[:, None] * WIDTH + offs_v[None, :]  # within one [K, WIDTH] state
+    state_offsets = i_nh.to(tl.int64) * K * WIDTH + tile_offsets
+    state_mask = mask_k[:, None] & mask_s[None, :]
     state = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_INITIAL_STATE:
         state = tl.load(initial_state + state_offsets, mask=state_mask, other=0.0)
+    if WIDTH > V:  # transition columns: u = 0 and the identity as the state coming in
+        state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
     rows = tl.arange(0, 64)
     for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=2):
@@ -436,13 +440,14 @@ def chunk_recurrence_kernel(
         token_offsets = (tokens * HV + i_hv)[:, None]
         mask_rows_k = in_seq[:, None] & mask_k[None, :]
         mask_rows_v = in_seq[:, None] & mask_v[None, :]
+        mask_rows_s = in_seq[:, None] & mask_s[None, :]
         b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_qg = tl.load(qg + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
         chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
         if STORE_CHUNK_STATES:  # the state entering this chunk
-            tl.store(chunk_states + chunk_id * K * V + tile_offsets, state, mask=state_mask)
+            tl.store(chunk_states + chunk_id * K * WIDTH + tile_offsets, state, mask=state_mask)
         b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
         # Blocks above the diagonal are never written (no zero-filled buffer needed).
         b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
@@ -451,7 +456,7 @@ def chunk_recurrence_kernel(
         b_state = state.to(dot_dtype)
         v_new = b_u.to(tl.float32) - tl.dot(b_w.to(dot_dtype), b_state,
                                             input_precision=DOT_PRECISION)  # fmt: skip
-        v_new = tl.where(mask_rows_v, v_new, 0.0).to(dot_dtype)
+        v_new = tl.where(mask_rows_s, v_new, 0.0).to(dot_dtype)
         if STORE_OUTPUT:
             b_o = tl.dot(b_qg.to(dot_dtype), b_state, input_precision=DOT_PRECISION)
             b_o += tl.dot(b_aqk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
@@ -528,6 +533,7 @@ def launch_chunk_kda(
     use_beta_sigmoid: bool,
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
+    segments: Optional[int] = None,
 ) -> tuple[Optional[Tensor], Tensor]:
     """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
     ``output=False``, which skips the output products) and the fp32 final state.
@@ -537,7 +543,11 @@ def launch_chunk_kda(
     ``R = chunk_state_rows(B, T, N or None)``, filled with the state at the start of every
     chunk (chunk c of sequence n at row ``n * ceil(T / 64) + c``, or
     ``chunk_offsets(cu_seqlens)[n] + c`` with packed sequences, whose rows past the last
-    chunk are left untouched)."""
+    chunk are left untouched).
+
+    ``segments``: how many segments the recurrence of each sequence runs in
+    (``_segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
+    lets :func:`recurrence_segments` choose from the shapes."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
@@ -574,13 +584,94 @@ def launch_chunk_kda(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
-    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
-    chunk_recurrence_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
+    intermediates = (w, u, qg, kd, aqk, chunk_decay)
+    if segments is None:
+        segments = recurrence_segments(batch, length, value_heads, cu_seqlens, q.device)
+    if segments == 1:
+        _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
+                    final_state, chunk_states, precision)  # fmt: skip
+    else:
+        _segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
+                              final_state, chunk_states, precision)  # fmt: skip
+    return o, final_state
+
+
+MIN_SEGMENT_TOKENS = 8192
+
+
+def recurrence_segments(
+    batch: int, length: int, value_heads: int, cu_seqlens: Optional[Tensor], device: torch.device
+) -> int:
+    """Segments per sequence for the chunk recurrence: 1 (one serial scan per sequence)
+    unless the sequences are long and too few to fill the SMs, then the largest power of two
+    ``S`` with ``batch * value_heads * S`` at most the SM count and segments of at least
+    ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Fixed length on CUDA only."""
+    if cu_seqlens is not None or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    segments = 1
+    while (
+        batch * value_heads * segments * 2 <= sms
+        and length % (CHUNK * segments * 2) == 0
+        and length // (segments * 2) >= MIN_SEGMENT_TOKENS
+    ):
+        segments *= 2
+    return segments
+
+
+def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o, final_state,
+                chunk_states, precision, width=None):  # fmt: skip
+    """One launch of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
+    (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel)."""
+    w, u, qg, kd, aqk, chunk_decay = intermediates
+    n_seqs, value_heads, head_k, state_width = final_state.shape
+    head_v = u.shape[-1]
+    block_k = max(16, triton.next_power_of_2(head_k))
+    block_v = max(16, triton.next_power_of_2(state_width))
+    split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
+    chunk_recurrence_kernel[(triton.cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
-        HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v,
+        HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-        STORE_OUTPUT=output, num_warps=4,
+        STORE_OUTPUT=o is not None, num_warps=4,
     )  # fmt: skip
-    return o, final_state
+
+
+def _segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
+                          final_state, chunk_states, precision):  # fmt: skip
+    """In-device context parallelism for the recurrence (the prepare kernel's outputs are
+    per chunk, so segments share them). Each sequence is cut into ``segments`` runs of
+    whole chunks, run as packed sequences:
+
+    1. every segment from zero with ``K`` transition columns next to its values, giving its
+       affine map ``S_end = M S_start + E`` (``[E | M]``, the state ``[K, V + K]``);
+    2. the maps composed in order (``segments`` small ``[K, K] @ [K, V]`` steps per head)
+       for each segment's exact incoming state;
+    3. every segment again from that state, writing outputs, chunk states and final
+       states.
+    """
+    u = intermediates[1]
+    value_heads, head_v = u.shape[2], u.shape[3]
+    head_k = intermediates[0].shape[3]
+    device = u.device
+    segment_length = length // segments
+    cuts = torch.arange(0, batch * length + 1, segment_length, device=device, dtype=torch.int32)
+    chunk_offsets = sequence_chunk_offsets(cuts, CHUNK)
+    maps = torch.empty(batch * segments, value_heads, head_k, head_v + head_k, device=device,
+                       dtype=torch.float32)  # fmt: skip
+    _recurrence(intermediates, None, cuts, chunk_offsets, segment_length, None, maps, None,
+                precision)  # fmt: skip
+    maps = maps.unflatten(0, (batch, segments))
+    ends, transitions = maps[..., :head_v], maps[..., head_v:]
+    state = torch.zeros_like(final_state) if initial_state is None else initial_state
+    starts = []
+    for segment in range(segments):
+        starts.append(state)
+        state = transitions[:, segment] @ state + ends[:, segment]
+    starts = torch.stack(starts, 1).flatten(0, 1)
+    segment_finals = torch.empty_like(starts)
+    _recurrence(intermediates, starts, cuts, chunk_offsets, segment_length, o, segment_finals,
+                chunk_states, precision)  # fmt: skip
+    final_state.copy_(segment_finals.unflatten(0, (batch, segments))[:, -1])
