@@ -33,3 +33,9 @@ def fast_reciprocal(x):
     else:
         result = tl.extra.cuda.libdevice.fast_dividef(1.0, x)
     return result
+
+
+@triton.jit
+def fast_sigmoid(x):
+    """1 / (1 + e^-x) of an fp32 tensor from ``fast_exp`` and ``fast_reciprocal``."""
+    return fast_reciprocal(1.0 + fast_exp(-x))

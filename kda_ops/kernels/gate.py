@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.fast_exp import fast_exp, fast_reciprocal
+from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
 
 
 @triton.jit
@@ -16,9 +16,8 @@ def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
     (``reference.kda_gate``): the safe gate ``lower_bound · sigmoid(rate · x)``, or
     ``-rate · softplus(x)`` with the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``."""
     if USE_LOWER_BOUND:
-        # sigmoid(z) = 1 / (1 + e^-z) with the flushing exp and a fast reciprocal: the
-        # chunk prepare kernel evaluates this on every gate element.
-        log_decay = lower_bound * fast_reciprocal(1.0 + fast_exp(-rate * x))
+        # The chunk prepare kernel evaluates this on every gate element.
+        log_decay = lower_bound * fast_sigmoid(rate * x)
     else:
         log_decay = -rate * (tl.maximum(x, 0.0) + tl.log(1.0 + fast_exp(-tl.abs(x))))
     return log_decay
