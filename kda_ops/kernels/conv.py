@@ -1,6 +1,7 @@
 """Depthwise causal conv1d: a token-parallel output kernel and a sequence-parallel kernel
 that writes the final conv state (the last ``W - 1`` inputs); for one token per sequence
-(decode) a single kernel does both in one pass over the state.
+(decode) a single kernel does both in one pass over the state: for W = 4 and D % 8 == 0
+one that moves only 16-byte vectors (:func:`conv_step_w4_kernel`), else a generic one.
 
 Layouts: x ``[B, T, D]`` (or packed ``[1, T_total, D]`` with ``cu_seqlens``); weight
 ``[D, W]``; state ``[N, D, W - 1]``, entry ``j`` holding the input ``W - 1 - j`` tokens
@@ -131,11 +132,13 @@ def conv_step_kernel(
     if USE_INDICES:
         slot = tl.load(state_indices + i_n).to(tl.int64)
     mask_slot = mask_d & (cols * 0 + slot >= 0)  # a negative index: padding
-    slot_offsets = (slot * D + cols[:, None]) * (W - 1)
+    slot_base = slot * (D * (W - 1))  # the one 64-bit product; offsets in the slot are int32
+    slot_offsets = cols[:, None] * (W - 1)
     window = tl.zeros([BD, BW], dtype=tl.float32)
     if HAS_STATE:
         kept = mask_slot[:, None] & (taps < W - 1)[None, :]
-        window = tl.load(state_in + slot_offsets + taps[None, :], mask=kept, other=0.0)
+        window = tl.load(state_in + slot_base + slot_offsets + taps[None, :], mask=kept,
+                         other=0.0)  # fmt: skip
         window = window.to(tl.float32)
     b_x = tl.load(x + i_n.to(tl.int64) * D + cols, mask=mask_d, other=0.0).to(tl.float32)
     window = tl.where(taps[None, :] == W - 1, b_x[:, None], window)
@@ -148,8 +151,160 @@ def conv_step_kernel(
         acc = acc * tl.sigmoid(acc)
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask_d)
     shifted = mask_slot[:, None] & ((taps >= 1) & (taps < W))[None, :]
-    tl.store(state_out + slot_offsets + (taps - 1)[None, :],
+    tl.store(state_out + slot_base + slot_offsets + (taps - 1)[None, :],
              window.to(state_out.dtype.element_ty), mask=shifted)  # fmt: skip
+
+
+@triton.jit
+def _unpack8(v):
+    """``[G, 8]`` -> its 8 columns, each ``[G]``. A thread holds whole rows (the loads are
+    16-byte vectors along the 8), so the splits only rename registers."""
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], 2, 2, 2]))
+    e0, e2 = tl.split(even)
+    o1, o3 = tl.split(odd)
+    v0, v4 = tl.split(e0)
+    v2, v6 = tl.split(e2)
+    v1, v5 = tl.split(o1)
+    v3, v7 = tl.split(o3)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _pack8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """8 columns ``[G]`` -> ``[G, 8]``, the inverse of :func:`_unpack8`."""
+    even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(even, odd), [v0.shape[0], 8])
+
+
+@triton.jit
+def _entries_of(a, b, c):
+    """The 24 contiguous state values of 8 channels, ``[G, 8]`` x 3 (value ``3m + j`` is
+    entry j of channel m) -> entries 0, 1, 2, each ``[G, 8]`` over the channels."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _unpack8(a)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _unpack8(b)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack8(c)
+    return (
+        _pack8(a0, a3, a6, b1, b4, b7, c2, c5),
+        _pack8(a1, a4, a7, b2, b5, c0, c3, c6),
+        _pack8(a2, a5, b0, b3, b6, c1, c4, c7),
+    )
+
+
+@triton.jit
+def _interleave(p, q, r):
+    """Inverse of :func:`_entries_of`: entries 0, 1, 2 ``[G, 8]`` -> the 24 values."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = _unpack8(p)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _unpack8(q)
+    r0, r1, r2, r3, r4, r5, r6, r7 = _unpack8(r)
+    return (
+        _pack8(p0, q0, r0, p1, q1, r1, p2, q2),
+        _pack8(r2, p3, q3, r3, p4, q4, r4, p5),
+        _pack8(q5, r5, p6, q6, r6, p7, q7, r7),
+    )
+
+
+@triton.jit
+def _taps_of(w0, w1, w2, w3):
+    """The 32 contiguous weights of 8 channels, ``[G, 8]`` x 4 (value ``4m + j`` is tap j of
+    channel m) -> taps 0..3, each ``[G, 8]`` over the channels."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _unpack8(w0)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _unpack8(w1)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack8(w2)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w3)
+    return (
+        _pack8(a0, a4, b0, b4, c0, c4, d0, d4),
+        _pack8(a1, a5, b1, b5, c1, c5, d1, d5),
+        _pack8(a2, a6, b2, b6, c2, c6, d2, d6),
+        _pack8(a3, a7, b3, b7, c3, c7, d3, d7),
+    )
+
+
+@triton.jit
+def conv_step_w4_kernel(
+    x, weight, bias, state_in, state_indices, y, state_out,
+    D: tl.constexpr, BG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
+    SILU: tl.constexpr,
+):  # fmt: skip
+    """:func:`conv_step_kernel` for W = 4 and D % 8 == 0, moving only 16-byte vectors.
+
+    A thread owns groups of 8 channels: their 24 state values are 3 aligned 16-byte
+    vectors, x and y one, the weight four. Values are regrouped per entry in registers
+    (:func:`_entries_of`), where the generic kernel's state rows of 6 bytes cost a 2-byte
+    access per value, and the new state (entries 1, 2 and x) is regrouped back the same
+    way. Program (i, n): groups ``[i * BG, (i + 1) * BG)`` of sequence n; the slot's base
+    is the only 64-bit product, offsets inside it are int32.
+    """
+    i_d, i_n = tl.program_id(0), tl.program_id(1)
+    groups = i_d * BG + tl.arange(0, BG)
+    lanes = tl.arange(0, 8)
+    cols = groups[:, None] * 8 + lanes[None, :]  # [BG, 8] channels
+    values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
+    mask = (groups < D // 8)[:, None]
+    slot = i_n
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n)
+    kept = mask & (groups * 0 + slot >= 0)[:, None]  # negative: padding, no history or write
+    b_x = tl.load(x + i_n.to(tl.int64) * D + cols, mask=mask, other=0.0)
+    e0 = tl.zeros([BG, 8], dtype=state_out.dtype.element_ty)
+    e1, e2 = e0, e0
+    if HAS_STATE:
+        slot_in = state_in + slot.to(tl.int64) * (3 * D)
+        e0, e1, e2 = _entries_of(
+            tl.load(slot_in + values, mask=kept, other=0.0),
+            tl.load(slot_in + values + 8, mask=kept, other=0.0),
+            tl.load(slot_in + values + 16, mask=kept, other=0.0),
+        )
+    # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
+    rows = weight + groups[:, None] * 32 + lanes[None, :]
+    w0, w1, w2, w3 = _taps_of(
+        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
+    )
+    acc = e0.to(tl.float32) * w0 + e1.to(tl.float32) * w1 + e2.to(tl.float32) * w2
+    acc += b_x.to(tl.float32) * w3
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask)
+    dtype = state_out.dtype.element_ty
+    a, b, c = _interleave(e1.to(dtype), e2.to(dtype), b_x.to(dtype))  # the window shifted
+    slot_out = state_out + slot.to(tl.int64) * (3 * D)
+    tl.store(slot_out + values, a, mask=kept)
+    tl.store(slot_out + values + 8, b, mask=kept)
+    tl.store(slot_out + values + 16, c, mask=kept)
+
+
+def _launch_step(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    state_in: Optional[Tensor],
+    state_out: Tensor,
+    state_indices: Optional[Tensor],
+    y: Tensor,
+    flags: dict,
+) -> None:
+    """One token per sequence (x ``[N, 1, D]``): one kernel, y and the new state."""
+    batch, _, channels = x.shape
+    width = weight.shape[1]
+    if width == 4 and channels % 8 == 0:
+        # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
+        groups = min(128, triton.next_power_of_2(channels // 8))
+        conv_step_w4_kernel[(triton.cdiv(channels // 8, groups), batch)](
+            x, weight, bias, state_in, state_indices, y, state_out,
+            D=channels, BG=groups, num_warps=max(1, min(4, groups // 32)), **flags,
+        )  # fmt: skip
+        return
+    block_d = min(512, triton.next_power_of_2(channels))
+    conv_step_kernel[(triton.cdiv(channels, block_d), batch)](
+        x, weight, bias, state_in, state_indices, y, state_out,
+        D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width), **flags,
+    )  # fmt: skip
 
 
 def launch_causal_conv1d(
@@ -165,18 +320,24 @@ def launch_causal_conv1d(
     """Writes the final conv states into ``state_out`` (may be ``state_in``, the in-place
     pool) and returns y ``[B, T, D]`` in x's dtype."""
     x, weight = x.contiguous(), weight.contiguous()
+    if state_in is not None and not state_in.is_contiguous():
+        # The kernels index a dense [N, D, W - 1]; views such as FLA's cache[..., 1:] are not.
+        if state_in is not state_out:
+            state_in = state_in.contiguous()
+        else:
+            dense = state_in.contiguous()
+            y = launch_causal_conv1d(x, weight, bias, dense, dense, state_indices, cu_seqlens,
+                                     activation)  # fmt: skip
+            state_out.copy_(dense)
+            return y
     batch, length, channels = x.shape
     width = weight.shape[1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     y = torch.empty_like(x)
     flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None)
     if length == 1 and cu_seqlens is None:
-        block_d = min(512, triton.next_power_of_2(channels))
-        conv_step_kernel[(triton.cdiv(channels, block_d), batch)](
-            x, weight, bias, state_in, state_indices, y, state_out,
-            D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width),
-            HAS_BIAS=bias is not None, SILU=activation == "silu", **flags,
-        )  # fmt: skip
+        flags.update(HAS_BIAS=bias is not None, SILU=activation == "silu")
+        _launch_step(x, weight, bias, state_in, state_out, state_indices, y, flags)
         return y
     block_t = min(64, triton.next_power_of_2(max(length, 1)))
     block_d = min(128, triton.next_power_of_2(channels))

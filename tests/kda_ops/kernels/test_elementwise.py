@@ -79,3 +79,48 @@ def test_causal_conv1d_pool_in_place(length):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(pool[[4, 1]], state_ref[[0, 2]])
     assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("channels", [8, 24, 1040])  # 1040: a second, partial block
+def test_conv_step_width4_vector_path(dtype, with_state, channels):
+    """W = 4, D % 8 == 0: the decode step regroups 8 channels' state in registers."""
+    x, weight, bias = conv_inputs(dtype, 3, 1, channels=channels)
+    initial = torch.randn(3, channels, 3, device=DEVICE, dtype=dtype) if with_state else None
+    state = torch.empty(3, channels, 3, device=DEVICE, dtype=dtype)
+    y = launch_causal_conv1d(x, weight, bias, initial, state, None, None, "silu")
+    y_ref, state_ref = reference.causal_conv1d(x, weight, bias, initial, None, "silu")
+    assert relative_error(y, y_ref) < TOLERANCE[dtype]
+    torch.testing.assert_close(state, state_ref)
+
+
+def test_conv_step_width4_pool_in_place_mixed_dtypes():
+    """bf16 x into an fp32 pool through indices (padding included), no bias, identity."""
+    x, weight, _ = conv_inputs(torch.bfloat16, 3, 1, channels=16)
+    pool = torch.randn(5, 16, 3, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([3, -1, 0], device=DEVICE, dtype=torch.int32)
+    history = torch.where((indices >= 0)[:, None, None], before[indices.clamp(min=0)], 0)
+    y_ref, state_ref = reference.causal_conv1d(x, weight, None, history, None, "identity")
+    y = launch_causal_conv1d(x, weight, None, pool, pool, indices, None, "identity")
+    assert relative_error(y, y_ref) < TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(pool[[3, 0]], state_ref[[0, 2]])
+    torch.testing.assert_close(pool[[1, 2, 4]], before[[1, 2, 4]])
+
+
+@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_causal_conv1d_strided_state(length, in_place):
+    """A state view (FLA's ``cache[..., 1:]``, transformers' longer conv_state) is read and,
+    in place, written as its values, not as a dense tensor at the same address."""
+    x, weight, bias = conv_inputs(torch.float32, 2, length, channels=16)
+    cache = torch.randn(2, 16, 4, device=DEVICE)
+    view = cache[..., 1:]
+    before = cache.clone()
+    y_ref, state_ref = reference.causal_conv1d(x, weight, bias, view.clone(), None, "silu")
+    state = view if in_place else torch.empty(2, 16, 3, device=DEVICE)
+    y = launch_causal_conv1d(x, weight, bias, view, state, None, None, "silu")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(state, state_ref)
+    torch.testing.assert_close(cache[..., 0], before[..., 0])
