@@ -51,6 +51,14 @@ def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state
 
     double = tuple(None if p is None else p.double() for p in primals)
     expected = reference.vjp(forward, double, (grad_o.double(), grad_state.double()))
+    floors = {name: 0.0 for name in NAMES}
+    if dtype == torch.float32:
+        # What fp32 arithmetic itself achieves: with large decays dA_log and d dt_bias are
+        # sums over tokens that cancel to a small fraction of their terms, where the
+        # reference run in fp32 is already off by ~1e-2 (CPU, softplus gate + 10).
+        in_fp32 = reference.vjp(forward, primals, (grad_o, grad_state))
+        floors = {n: 0.0 if a is None else relative_error(a, b)
+                  for n, a, b in zip(NAMES, in_fp32, expected)}  # fmt: skip
     for name, primal, grad, grad_ref in zip(NAMES, primals, got, expected):
         if primal is None:
             assert grad.numel() == 0, name
@@ -58,8 +66,9 @@ def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state
         assert grad.shape == primal.shape and grad.dtype == primal.dtype, name
         assert grad.isfinite().all(), name
         # Some gradients are exactly zero (a lone token's decay multiplies a zero state):
-        # there, rounding noise is judged against the tolerance in absolute terms.
-        tolerance = TOLERANCE[dtype]
+        # there, rounding noise is judged against the tolerance in absolute terms. A
+        # blocked fp32 kernel may err up to 10x the fp32 reference's own error.
+        tolerance = max(TOLERANCE[dtype], 10 * floors[name])
         error = relative_error(grad, grad_ref)
         assert error < tolerance or (grad.double() - grad_ref).abs().max() < tolerance, name
 
