@@ -1,16 +1,20 @@
 """In-device context parallelism: one long sequence vs the same tokens as a batch.
 
-A single ``B = 1`` sequence leaves most SMs idle in the serial inter-chunk recurrence;
-``kda_ops.chunk_kda_segmented`` splits it into segments run in parallel and merges exact
-initial states. This times, in one process (bf16, D = 128, safe gate -5, gate / beta /
-l2norm in kernel, forward):
+A single ``B = 1`` sequence leaves most SMs idle in the serial inter-chunk recurrence. Our
+``chunk_kda`` runs that recurrence in segments on such shapes (``recurrence_segments``:
+each segment's affine map, the maps composed, the segments rerun from exact incoming
+states); ``kda_ops.chunk_kda_segmented`` does the same at the op level. This times, in
+one process (bf16, D = 128, safe gate -5, gate / beta / l2norm in kernel, forward):
 
 - FLA 0.6.0 ``chunk_kda`` on ``B = 1, T`` and on ``B = S, T / S`` (the peer's own gap);
-- our ``chunk_kda`` on both shapes;
-- our ``chunk_kda_segmented`` on ``B = 1, T`` (planned segments and a few fixed counts).
+- our ``chunk_kda`` on both shapes, and its recurrence forced to 1..16 segments;
+- our ``chunk_kda_segmented`` on ``B = 1, T`` (planned segments and a few fixed counts);
 
-Targets: segmented long / our split batch <= 1.05, and segmented faster than our plain
-``chunk_kda`` on the long sequence.
+and prints the long sequence's output error (FLA's relative-RMSE metric) of ours against
+FLA's and of the planned segments against one serial scan.
+
+Targets: our long / our split batch <= 1.05, segments faster than one scan on the long
+sequence, outputs within 5e-3 of FLA's.
 
 Usage (GPU, fla-core 0.6.0): ``python benchmarks/cp.py [--quick] [--json out.json]``.
 """
@@ -67,6 +71,7 @@ def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]
         if segments == planned:
             planned_ms = ms
     rows += recurrence_rows(long, length, dim, fla_long, ours_split)
+    print_errors(long, dim)
     print(f"\nFLA long / FLA split: {fla_long / fla_split:.3f}")
     print(f"ours plain long / ours split: {ours_long / ours_split:.3f}")
     print(f"ours segmented (S={planned}) long / ours split: {planned_ms / ours_split:.3f} "
@@ -76,12 +81,37 @@ def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]
     return rows
 
 
+def kernel_args(long: dict, dim: int) -> tuple:
+    """``launch_chunk_kda``'s positional arguments for the long sequence."""
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    return (*(long[n] for n in names), None, None, dim**-0.5, IN_KERNEL["lower_bound"], True,
+            True)  # fmt: skip
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """FLA's metric: ||expected - got|| / ||expected||, in float64."""
+    expected = expected.double()
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+def print_errors(long: dict, dim: int) -> None:
+    """Output errors on the long sequence: ours (planned segments) against FLA's, and
+    against our own single serial scan."""
+    ours, _ = kda_ops.chunk_kda(**long, **IN_KERNEL)
+    peer, _ = fla_chunk_kda(**long, **IN_KERNEL)
+    args = kernel_args(long, dim)
+    one_scan, _ = launch_chunk_kda(*args, segments=1)
+    print(
+        f"long output: ours vs FLA {relative_error(ours, peer):.2e} (target <= 5e-3), "
+        f"planned segments vs one scan {relative_error(ours, one_scan):.2e}"
+    )
+
+
 def recurrence_rows(long: dict, length: int, dim: int, fla_long: float,
                     ours_split: float) -> list[Row]:  # fmt: skip
     """Our chunk forward with its recurrence in S segments (S = 1: one serial scan; the
     rest: ``_segmented_recurrence``), kernel-level, on the long sequence."""
-    args = (*(long[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), None, None,
-            dim**-0.5, IN_KERNEL["lower_bound"], True, True)  # fmt: skip
+    args = kernel_args(long, dim)
     planned = recurrence_segments(1, length, long["v"].shape[2], None, torch.device(DEVICE))
     rows = []
     for segments in (1, 2, 4, 8, 16):
