@@ -119,6 +119,30 @@ def test_short_convolution_prefill_and_decode_cache(enabled):
     torch.testing.assert_close(final, window[..., -4:])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [24, 12], ids=["vector_step", "generic_step"])
+@torch.no_grad()
+def test_short_convolution_cuda_kernels_match_cpu(enabled, channels):
+    """The CUDA kernels behind ShortConvolution against the same calls on CPU (the
+    reference path, checked above against nn.Conv1d). The cache FLA hands over is a
+    strided view (``cache[..., 1:]``); 24 channels take the 16-byte-vector decode step,
+    12 the generic one."""
+    conv = fla.modules.ShortConvolution(channels, kernel_size=4, bias=True, activation="silu")
+    conv.weight.normal_()
+    conv.bias.normal_()
+    cache = torch.randn(2, channels, 4)
+    x = torch.randn(2, 5, channels)
+    token = torch.randn(2, 1, channels)
+    results = {}
+    for device in ("cpu", "cuda"):
+        module = conv.to(device)
+        y, final = module(x.to(device), cache=cache.to(device), output_final_state=True)
+        step_y, step_cache = module(token.to(device), cache=final, output_final_state=True)
+        results[device] = [t.cpu() for t in (y, step_y, step_cache)]
+    for got, expected in zip(results["cuda"], results["cpu"]):
+        torch.testing.assert_close(got, expected)
+
+
 def test_unsupported_options_raise(enabled):
     q, k, v, g, beta, _ = _inputs()
     with pytest.raises(ValueError, match="state_v_first"):
