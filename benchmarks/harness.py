@@ -42,6 +42,24 @@ def time_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_time_ms(calls) -> float:
+    """Median milliseconds per call of ``calls`` (callables) replayed in turn from one CUDA
+    graph: device time without the host's dispatch, which dominates eager timing of ops
+    that take tens of µs. Give calls on enough distinct buffers that one pass moves more
+    than the L2 cache (50 MB on an H200), or the rate measured is L2's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and autotune outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / len(calls)
+
+
 def copy_bandwidth_tbs(nbytes: int = 2**31) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the ceiling for our kernels."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
@@ -55,7 +73,12 @@ def report(title: str, benches, path: str | None = None) -> list[Row]:
     print(HEADER, flush=True)
     rows = []
     for bench in benches:
-        for row in bench():
+        try:
+            bench_rows = bench()
+        except Exception as error:  # one failing case should not cost a run's other rows
+            print(f"| {getattr(bench, '__name__', bench)} failed: {error!r} | | | | | |")
+            continue
+        for row in bench_rows:
             print(row.format(), flush=True)
             rows.append(row)
     if path:

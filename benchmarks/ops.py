@@ -10,7 +10,7 @@ from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_conv_updat
 from fla.modules.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
-from harness import Row, copy_bandwidth_tbs, report, time_ms
+from harness import Row, copy_bandwidth_tbs, graph_time_ms, report, time_ms
 
 import kda_ops
 
@@ -59,25 +59,46 @@ def bench_decode(batch=256, heads=32, dim=128) -> list[Row]:
     ]
 
 
-def bench_gated_norm(tokens=8192, heads=32, dim=128) -> Row:
+def bench_gated_norm(tokens=8192, heads=32, dim=128) -> list[Row]:
+    """Eager (host dispatch included) and in a CUDA graph (kernel time; 200 MB a call,
+    past L2)."""
     x, gate = torch.randn(2, tokens, heads, dim, device=DEVICE, dtype=torch.bfloat16).unbind(0)
     weight = torch.ones(dim, device=DEVICE)
     nbytes = 3 * x.numel() * x.element_size()
-    ours = time_ms(lambda: kda_ops.gated_rms_norm(x, gate, weight, 1e-5, "sigmoid"))
-    peer = time_ms(lambda: fla_rms_norm_gated(x, gate, weight, None, activation="sigmoid",
-                                              eps=1e-5))  # fmt: skip
-    return Row(f"gated RMSNorm T={tokens} H={heads} D={dim} bf16", ours, peer, nbytes)
+
+    def ours():
+        return kda_ops.gated_rms_norm(x, gate, weight, 1e-5, "sigmoid")
+
+    def peer():
+        return fla_rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=1e-5)
+
+    case = f"gated RMSNorm T={tokens} H={heads} D={dim} bf16"
+    return [
+        Row(case + ", eager", time_ms(ours), time_ms(peer), nbytes),
+        Row(case + ", CUDA graph", graph_time_ms([ours]), graph_time_ms([peer]), nbytes),
+    ]
 
 
-def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4) -> Row:
-    x = torch.randn(batch, channels, device=DEVICE, dtype=torch.bfloat16)
+def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4, copies=4) -> list[Row]:
+    """Eager (host dispatch included) and in a CUDA graph over ``copies`` input sets (kernel
+    time; 50 MB a call, so four sets pass L2)."""
+    sets = []
+    for _ in range(copies):
+        x = torch.randn(batch, channels, device=DEVICE, dtype=torch.bfloat16)
+        pool = torch.randn(batch, channels, width - 1, device=DEVICE, dtype=torch.bfloat16)
+        fla_cache = torch.randn(batch, channels, width, device=DEVICE, dtype=torch.bfloat16)
+        sets.append((x, pool, fla_cache))
     weight = torch.randn(channels, width, device=DEVICE, dtype=torch.bfloat16)
-    pool = torch.randn(batch, channels, width - 1, device=DEVICE, dtype=torch.bfloat16)
-    fla_cache = torch.randn(batch, channels, width, device=DEVICE, dtype=torch.bfloat16)
-    nbytes = 2 * pool.numel() * 2 + 2 * x.numel() * 2
-    ours = time_ms(lambda: kda_ops.causal_conv1d_update_inplace(x, pool, weight))
-    peer = time_ms(lambda: fla_conv_update(x, fla_cache, weight=weight, activation="silu"))
-    return Row(f"conv update B={batch} D={channels} W={width} bf16", ours, peer, nbytes)
+    nbytes = 2 * sets[0][1].numel() * 2 + 2 * sets[0][0].numel() * 2
+    ours = [lambda x=x, pool=pool: kda_ops.causal_conv1d_update_inplace(x, pool, weight)
+            for x, pool, _ in sets]  # fmt: skip
+    peer = [lambda x=x, cache=cache: fla_conv_update(x, cache, weight=weight, activation="silu")
+            for x, _, cache in sets]  # fmt: skip
+    case = f"conv update B={batch} D={channels} W={width} bf16"
+    return [
+        Row(case + ", eager", time_ms(ours[0]), time_ms(peer[0]), nbytes),
+        Row(case + ", CUDA graph", graph_time_ms(ours), graph_time_ms(peer), nbytes),
+    ]
 
 
 def bench_chunk(heads, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
@@ -141,8 +162,8 @@ BENCHES = {
     "chunk_varlen": lambda: [bench_chunk_varlen()],
     "chunk_backward": lambda: [bench_chunk_backward()],
     "decode": bench_decode,
-    "norm": lambda: [bench_gated_norm()],
-    "conv": lambda: [bench_conv_update()],
+    "norm": bench_gated_norm,
+    "conv": bench_conv_update,
 }
 
 
