@@ -1,4 +1,4 @@
-"""Chunkwise KDA / Gated DeltaNet backward in four kernels, after the forward of
+"""Chunkwise KDA / Gated DeltaNet backward in five kernels, after the forward of
 ``launch_chunk_kda`` has been re-run for the chunk-start states.
 
 Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
@@ -12,7 +12,7 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the 64×64 inverse
    T by block forward substitution (stored fp32: the backward applies Tᵀ, so it needs T
    itself, not just T applied to the forward's right-hand sides), and w, qg, kd (stored
-   in the input dtype).
+   in the input dtype) and, with the l2norm, the rows' inverse norms (fp32).
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -23,10 +23,17 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    ``dkd = v_new dS'ᵀ``, ``dAqk = dO v_newᵀ``, ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``),
    ``dRw = Tᵀ dw = -dRu Sᵀ``, ``dA = -(dRu uᵀ + dRw wᵀ)`` and the decay term of Γ_C;
    writes dv and the row-local parts of dq, dk, dG, dbeta.
-4. ``chunk_bwd_pairs_kernel``, token-parallel, by 16-row blocks from the last: the pair
-   terms of A and Aqk (their q̂ / k̂ / G / β gradients), the reverse in-chunk cumsum of dG,
-   the gate-activation and beta-sigmoid backward, and per-chunk partial sums of dA_log
-   and d dt_bias.
+4. ``chunk_bwd_pairs_kernel``, token-parallel and split over the key columns (grid:
+   chunks × column blocks of 32, value heads): every pair term is a per-column product,
+   so a program holds the chunk's four 16-row blocks of its columns (loaded once,
+   unrolled) and finishes them from the last: the pair terms of A and Aqk (their q̂ / k̂ /
+   G / β gradients), the reverse in-chunk cumsum of dG, the gate-activation backward, and
+   per-chunk shares of dA_log and d dt_bias. What sums over the columns comes back as one
+   share per column block (dβ, the scalar gate's dg) that the launcher adds, as it does
+   the beta-sigmoid backward.
+5. ``chunk_bwd_qk_kernel``, token-parallel: dq, dk from the per-value-head gradients of
+   the l2-normalised rows, summing each head's value-head group, then the l2norm
+   backward (a whole-row product, hence not in kernel 4).
 
 Saved versus recomputed: the chunk states S come from the forward kernels (one more
 forward; their HBM round trip is what the head-parallel scan costs anyway). G, T, Aqk, w,
@@ -37,7 +44,11 @@ rather than stored. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows
 over T's buffer and scale·dAqk over Aqk's (neither is needed any more), the row-local
 gradients into fp32 dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
 Kernels 3 and 4 are separate because they only communicate through memory anyway, and
-apart each needs fewer registers.
+apart each needs fewer registers. Kernel 4 was one program per chunk and value head on
+all 128 columns, re-loading (and re-normalising) every other row block for each block:
+ptxas (sm_90, 8 warps) gave it 3.2 KB of stack a thread and ~33k instructions a warp,
+and it took 12.4 of the backward's 22.5 ms (H200, T = 8192, 64 heads). Split over
+columns it has no loop: 6.2k instructions a warp at 4 warps, 0.3 KB of stack.
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -47,13 +58,9 @@ pairs dyadically there, as the forward does (every factor at most 1; ``dyadic_le
 Accumulation is fp32; products with S / dS, dO and v_new use the input dtype (bf16 tensor
 cores), products with T use fp32 operands (tf32). The gate gradient is a difference:
 every pair term enters dG at its row and, negated, at its column, so the diagonal blocks
-of kernel 4 take exact fp32 products (see ``_dense_diagonal_grads``).
-
-Without grouped value heads (HV == H) kernel 4 also applies the l2norm backward and writes
-dq, dk in the inputs' dtype. With groups, q and k's gradients are sums over the group's
-value heads, which different programs own: kernel 4 writes them per value head (fp32, of
-the l2-normalised rows) and the launcher sums groups and applies the l2norm backward in
-PyTorch.
+of kernel 4 take exact fp32 products (see ``_dense_diagonal_grads``). dβ_i = Σ_j dA_ij
+(k̂_i · k̂_j e^{..}) is taken as k̂_i e^{G_i - ref} · (Σ_j dA_ij k̂_j e^{ref - G_j}), the
+sum A's row term already forms, rather than by a K Kᵀ dot.
 """
 
 from typing import Optional
@@ -204,10 +211,10 @@ def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
 
 
 @triton.jit
-def _dense_diagonal_grads(m_a, m_q, d_a, r_q, r_k, r_cum, ref):
-    """``_dyadic_diagonal_grads``'s gradients, given m_a = β_i dA_ij, by dense dots with
-    the pair factors split at the block's first row ``ref`` (safe gate only: the growing
-    half e^{ref - G} stays below e^75).
+def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up):
+    """``_dyadic_diagonal_grads``'s gradients by dense dots with the pair factors split at
+    the block's first row ``ref`` (safe gate only: the growing half e^{ref - G} stays below
+    e^75); ``up = e^{G - ref}`` ``[BLOCK, BK]``.
 
     Operands stay fp32 and the dots exact whatever the inputs' dtype: each pair term
     enters dG twice, at its row (through k e^{ref - G}) and negated at its column (through
@@ -215,23 +222,74 @@ def _dense_diagonal_grads(m_a, m_q, d_a, r_q, r_k, r_cum, ref):
     rounded alike. The diagonal block holds the largest terms (Aqk's r == c term, which
     cancels exactly, and the least decayed pairs): with bf16 operands (emulated on CPU,
     T = 130) dg was off by 4% and dA_log / d dt_bias, sums over tokens, by 15% / 23%."""
-    up = tl.exp(r_cum - ref[None, :])
     down = tl.exp(ref[None, :] - r_cum)
     k_up = r_k * up
     k_down = r_k * down
-    row_k = tl.dot(m_a, k_down, input_precision="ieee") * up
+    # Σ_j dA_ij k_j e^{ref - G_j} gives A's row term (times β_i e^{G_i - ref}) and dβ
+    # (dotted with k_i e^{G_i - ref}): no K Kᵀ dot.
+    a_rows = tl.dot(d_a, k_down, input_precision="ieee")
     row_q = tl.dot(m_q, k_down, input_precision="ieee") * up
-    col = tl.dot(tl.trans(m_a), k_up, input_precision="ieee")
+    col = tl.dot(tl.trans(r_beta[:, None] * d_a), k_up, input_precision="ieee")
     col = (col + tl.dot(tl.trans(m_q), r_q * up, input_precision="ieee")) * down
-    kk = tl.dot(k_up, tl.trans(k_down), input_precision="ieee")
-    return row_k, row_q, col, tl.sum(d_a * kk, axis=1)
+    return r_beta[:, None] * up * a_rows, row_q, col, tl.sum(k_up * a_rows, axis=1)
+
+
+@triton.jit
+def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i_h, i_hv,
+                     offs_k, cum_last, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
+    """Row block i_b of the chunk on the key columns ``offs_k``: q̂, k̂, G ``[BLOCK, BK]``
+    fp32 and β ``[BLOCK]``. The rows are normalised by their full-row norms, which
+    ``chunk_bwd_prepare_kernel`` stored (``[B, T, HV]`` fp32): a program sees only its
+    columns."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    rows_in = i_b * BLOCK + sub < remaining
+    r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, False)
+    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, False)
+    if USE_L2NORM:
+        r_q *= tl.load(q_norm + tokens * HV + i_hv, mask=rows_in, other=0.0)[:, None]
+        r_k *= tl.load(k_norm + tokens * HV + i_hv, mask=rows_in, other=0.0)[:, None]
+    r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
+    r_cum = _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV, K, offs_k, cum_last)
+    return r_q, r_k, r_beta, r_cum
+
+
+@triton.jit
+def _pair_tiles(aqk, solve, chunk_id, i_b, j_b):
+    """Tile (i_b, j_b) of this chunk's dA and scale·dAqk, ``[BLOCK, BLOCK]`` fp32."""
+    sub = tl.arange(0, BLOCK)
+    tile = chunk_id * 64 * 64 + (sub + i_b * BLOCK)[:, None] * 64 + (sub + j_b * BLOCK)[None, :]
+    return tl.load(solve + tile), tl.load(aqk + tile)
+
+
+@triton.jit
+def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k, c_cum,
+                   rows_a, rows_q, col, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Adds the pairs of row block i_b with an earlier column block j_b, their factors
+    split at i_b's first row: e^{G_i - G_j} = e^{G_i - ref} e^{ref - G_j}, both <= 1.
+    ``k_in``, ``q_in``: row block's k̂, q̂ times e^{G - ref} (dot dtype); ``c_k``, ``c_cum``:
+    the column block's k̂ and G (fp32). Returns ``rows_a += dA k̂_j e^{ref - G_j}`` (to be
+    scaled by β_i e^{G_i - ref}), ``rows_q += scale·dAqk k̂_j e^{ref - G_j}`` (by e^{G_i -
+    ref}) and the column block's ``col += e^{ref - G_j} ⊙ ((β dA)ᵀ k_in + dAqkᵀ q_in)``, all
+    ``[BLOCK, BK]`` fp32."""
+    d_a, m_q = _pair_tiles(aqk, solve, chunk_id, i_b, j_b)
+    dot_dtype = k_in.dtype
+    to_ref = tl.exp(ref[None, :] - c_cum)
+    k_ref = (c_k * to_ref).to(dot_dtype)
+    rows_a += tl.dot(d_a.to(dot_dtype), k_ref, input_precision=DOT_PRECISION)
+    rows_q += tl.dot(m_q.to(dot_dtype), k_ref, input_precision=DOT_PRECISION)
+    m_a = (r_beta[:, None] * d_a).to(dot_dtype)
+    col_ref = tl.dot(tl.trans(m_a), k_in, input_precision=DOT_PRECISION)
+    col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), q_in, input_precision=DOT_PRECISION)
+    return rows_a, rows_q, col + to_ref * col_ref
 
 
 @triton.jit
 def chunk_bwd_prepare_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
     scale, lower_bound, length, n_seqs,
-    cum_g, w, qg, kd, aqk, solve,
+    cum_g, w, qg, kd, aqk, solve, q_norm, k_norm,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -241,7 +299,9 @@ def chunk_bwd_prepare_kernel(
     """Writes, for the tokens of chunk i_c and value head i_hv: cum_g (fp32
     ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), and at
     ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk (causal part only; blocks above
-    the diagonal are left unwritten) and T (likewise)."""
+    the diagonal are left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse
+    norms of the q and k rows (fp32 ``[B, T, HV]``) for the pairs kernel, which reads only
+    some key columns of a row."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -321,8 +381,15 @@ def chunk_bwd_prepare_kernel(
     causal_chunk = rows[:, None] >= rows[None, :]
     b_t = tl.load(solve + matrix + rows[:, None] * CHUNK + rows[None, :], mask=causal_chunk,
                   other=0.0)  # fmt: skip
-    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
-    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, False)
+    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, False)
+    if USE_L2NORM:  # as unit_rows, keeping the factors
+        q_inv_norm = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + L2NORM_EPS)
+        k_inv_norm = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + L2NORM_EPS)
+        tl.store(q_norm + tokens * HV + i_hv, q_inv_norm, mask=in_seq)
+        tl.store(k_norm + tokens * HV + i_hv, k_inv_norm, mask=in_seq)
+        b_q *= q_inv_norm[:, None]
+        b_k *= k_inv_norm[:, None]
     b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
     # (padding rows of b_cum already hold cum_last: their log-decay was zeroed)
     b_w = tl.dot(b_t, b_beta[:, None] * b_k * tl.exp(b_cum), input_precision=DOT_PRECISION)
@@ -492,158 +559,232 @@ def chunk_bwd_wy_kernel(
 
 
 @triton.jit
+def _open_rows(r_q, r_k, r_cum, dot_dtype: tl.constexpr):
+    """A row block's reference (G of its first row, ``[BK]``), ``up = e^{G - ref}`` (<= 1,
+    ``[BLOCK, BK]`` fp32) and its k̂, q̂ times ``up`` in the dot dtype, the row side of its
+    pairs with earlier blocks."""
+    ref = _row(r_cum, tl.arange(0, BLOCK), 0)
+    up = tl.exp(r_cum - ref[None, :])
+    return ref, up, (r_k * up).to(dot_dtype), (r_q * up).to(dot_dtype)
+
+
+@triton.jit
+def _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k, offs_k, d_raw,
+               dg, d_a_log, d_dt, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+               N_K: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+               HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """The gate backward of a row block from its log-decay gradient ``d_raw`` ``[BLOCK,
+    BK]`` fp32 (after the reverse cumsum): stores dg (g's dtype, or for the scalar gate
+    this column block's share, fp32 ``[B, T, HV, N_K]``) and returns the running sums of
+    dA_log (0-d) and d dt_bias (``[BK]``) with this block's terms added."""
+    mask_k = offs_k < K
+    if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
+        d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
+            [1, BK], dtype=tl.float32
+        )
+        channel = tl.arange(0, BK) == 0  # the column that stands for the raw gate
+    else:
+        channel = mask_k
+    if USE_GATE:
+        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                        HAS_DT_BIAS)  # fmt: skip
+        d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
+        used = rows_in[:, None] & channel[None, :]
+        d_a_log += tl.sum(tl.sum(tl.where(used, d_rate, 0.0), axis=1), axis=0)
+        d_dt += tl.sum(tl.where(used, d_raw, 0.0), axis=0)
+    if SCALAR_GATE:
+        d_raw = _column(d_raw, tl.arange(0, BK), 0)
+        tl.store(dg + (tokens * HV + i_hv) * N_K + i_k, d_raw, mask=rows_in)
+    else:
+        offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+        tl.store(dg + offsets, d_raw.to(dg.dtype.element_ty),
+                 mask=rows_in[:, None] & mask_k[None, :])  # fmt: skip
+    return d_a_log, d_dt
+
+
+@triton.jit
+def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
+                  dq_rows, dk_rows, dg, dbeta_part,
+                  start, remaining, chunk_id, i_b, i_hv, i_k, offs_k,
+                  r_q, r_k, r_beta, r_cum, ref, up, rows_a, rows_q, col, d_later, d_a_log, d_dt,
+                  HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N_K: tl.constexpr,
+                  SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr):  # fmt: skip
+    """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
+    ``rows_q`` its rows against earlier columns (``_earlier_block``), ``col`` its columns
+    against later rows. Adds the diagonal block (dense fp32 dots at ``ref`` under the safe
+    gate, else dyadic), adds everything to the row-local gradients of
+    ``chunk_bwd_wy_kernel`` in place (dq̂, dk̂ fp32), stores this column block's share of
+    dβ (``[B, T, HV, N_K]`` fp32), and runs the reverse cumsum of dG and the gate backward
+    (``_gate_rows``). Returns (d_later: Σ dG of the rows from this block on ``[BK]``,
+    dA_log and d dt_bias running sums)."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    rows_in = i_b * BLOCK + sub < remaining
+    d_a, m_q = _pair_tiles(aqk, solve, chunk_id, i_b, i_b)
+    if SAFE_GATE:
+        diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
+                                                                 r_cum, ref, up)  # fmt: skip
+    else:
+        diag_k, diag_q, diag_col, d_beta = _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
+                                                                  r_cum)  # fmt: skip
+    # Σ_j dA_ij kk_ij over the earlier columns is k̂_i e^{G_i - ref} · rows_a.
+    d_beta += tl.sum(r_k * up * rows_a, axis=1)
+    tl.store(dbeta_part + (tokens * HV + i_hv) * N_K + i_k, d_beta, mask=rows_in)
+    row_k = r_beta[:, None] * up * rows_a + diag_k
+    row_q = up * rows_q + diag_q
+    col += diag_col
+
+    mask = rows_in[:, None] & (offs_k < K)[None, :]
+    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    tl.store(dq_rows + offsets, tl.load(dq_rows + offsets, mask=mask, other=0.0) + row_q,
+             mask=mask)  # fmt: skip
+    tl.store(dk_rows + offsets, tl.load(dk_rows + offsets, mask=mask, other=0.0) + row_k + col,
+             mask=mask)  # fmt: skip
+    d_cum = tl.load(d_cum_rows + offsets, mask=mask, other=0.0)
+    d_cum += r_q * row_q + r_k * (row_k - col)
+    # G_i = Σ_{s <= i} g_s inside the chunk: dg is the reverse cumsum of dG.
+    d_raw = tl.cumsum(d_cum, axis=0, reverse=True) + d_later[None, :]
+    d_a_log, d_dt = _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k,
+                               offs_k, d_raw, dg, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE,
+                               USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    return d_later + tl.sum(d_cum, axis=0), d_a_log, d_dt
+
+
+@triton.jit
 def chunk_bwd_pairs_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, aqk, solve, d_cum_rows,
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, aqk,
+    solve, d_cum_rows,
     lower_bound, length, n_seqs,
-    dq_rows, dk_rows, dq, dk, dg, dbeta, dA_log_part, ddt_part,
+    dq_rows, dk_rows, dg, dbeta_part, dA_log_part, ddt_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """For chunk i_c and value head i_hv, by 16-row blocks from the last (the reverse
-    cumsum carries forward): adds the pair terms of A (cotangent dA from ``solve``) and
-    Aqk (scale·dAqk from ``aqk``) to the row gradients of ``chunk_bwd_wy_kernel`` and
-    completes them: dq, dk (with ``HV == H``, of the raw inputs in their dtype and shape;
-    else in place in ``dq_rows`` / ``dk_rows``, per value head, of the l2-normalised rows,
-    fp32), dg (g's dtype and shape, of the raw gate), dbeta in place (fp32, of the raw
-    beta), and at row ``i_c * HV + i_hv`` the chunk's share of dA_log
-    (``[n_chunks * HV]``) and d dt_bias (``[n_chunks * HV, K]``, or ``[n_chunks * HV]``
-    for the scalar gate)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    """For chunk i_c, value head i_hv and the BK key columns of block i_k (every pair term
+    is a per-column product but for dβ's sum over columns, whose shares the launcher adds):
+    the pair terms of A (cotangent dA from ``solve``) and Aqk (scale·dAqk from ``aqk``),
+    added in place to dq̂ / dk̂ (``dq_rows`` / ``dk_rows``, fp32 ``[B, T, HV, K]``, of the
+    l2-normalised rows); dg (g's dtype and shape; for the scalar gate this block's share,
+    fp32 ``[B, T, HV, N_K]``), dβ's share (fp32 ``[B, T, HV, N_K]``, before the sigmoid
+    backward) and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
+    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate).
+
+    The four row blocks are unrolled and loaded once; block I's pairs with an earlier
+    block J split their factors at I's first row. Blocks are finished from the last, so
+    that the reverse cumsum of dG carries forward and each column accumulator is complete
+    when its block is finished."""
+    N_K = (K + BK - 1) // BK
+    i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
                                     IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
-    offs_k = tl.arange(0, BK)
+    offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
     dot_dtype = q.dtype.element_ty
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
     last = tl.minimum(remaining, CHUNK) - 1
     cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
-    sub = tl.arange(0, BLOCK)
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        rate = 1.0  # unused
     d_later = tl.zeros([BK], dtype=tl.float32)  # Σ dG of the rows after this block
     d_a_log = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)  # a 0-d fp32 accumulator
     d_dt = tl.zeros([BK], dtype=tl.float32)
-    if SCALAR_GATE:  # the columns that stand for a raw gate element
-        channel = offs_k == 0
-    else:
-        channel = mask_k
-    for step in range(0, CHUNK // BLOCK):
-        i_b = CHUNK // BLOCK - 1 - step
-        r_tok = start + i_b * BLOCK + sub
-        r_in = i_b * BLOCK + sub < remaining
-        r_mask_k = r_in[:, None] & mask_k[None, :]
-        r_q = _load_unit_rows(q, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
-        r_k = _load_unit_rows(k, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
-        r_beta = _load_beta_rows(beta, r_tok, r_in, i_hv, HV, USE_BETA_SIGMOID)
-        r_cum = _load_cum_rows(cum_g, r_tok, r_in, i_hv, HV, K, offs_k, cum_last)
-        ref = _row(r_cum, sub, 0)
-        block_rows = chunk_id * CHUNK * CHUNK + (i_b * BLOCK + sub)[:, None] * CHUNK
-        # Rows of this block against earlier columns, factors split at ref (both <= 1).
-        row_k = tl.zeros([BLOCK, BK], dtype=tl.float32)  # to be scaled by e^{G - ref}
-        row_q = tl.zeros([BLOCK, BK], dtype=tl.float32)
-        r_dbeta = tl.zeros([BLOCK], dtype=tl.float32)
-        r_k_ref = (r_k * tl.exp(r_cum - ref[None, :])).to(dot_dtype)
-        for j_b in range(0, i_b):
-            c_tok = start + j_b * BLOCK + sub
-            c_in = j_b * BLOCK + sub < remaining
-            c_k = _load_unit_rows(k, c_tok, c_in, i_h, H, K, offs_k, USE_L2NORM)
-            c_cum = _load_cum_rows(cum_g, c_tok, c_in, i_hv, HV, K, offs_k, cum_last)
-            c_k_ref = (c_k * tl.exp(ref[None, :] - c_cum)).to(dot_dtype)
-            d_a_blk = tl.load(solve + block_rows + j_b * BLOCK + sub[None, :])
-            m_q = tl.load(aqk + block_rows + j_b * BLOCK + sub[None, :]).to(dot_dtype)
-            m_a = (r_beta[:, None] * d_a_blk).to(dot_dtype)
-            row_k += tl.dot(m_a, c_k_ref, input_precision=DOT_PRECISION)
-            row_q += tl.dot(m_q, c_k_ref, input_precision=DOT_PRECISION)
-            kk = tl.dot(r_k_ref, tl.trans(c_k_ref), input_precision=DOT_PRECISION)
-            r_dbeta += tl.sum(d_a_blk * kk, axis=1)
-        # Columns of this block against later rows, split at each later block's ref.
-        col = tl.zeros([BLOCK, BK], dtype=tl.float32)
-        for i_l in range(i_b + 1, CHUNK // BLOCK):
-            l_tok = start + i_l * BLOCK + sub
-            l_in = i_l * BLOCK + sub < remaining
-            l_q = _load_unit_rows(q, l_tok, l_in, i_h, H, K, offs_k, USE_L2NORM)
-            l_k = _load_unit_rows(k, l_tok, l_in, i_h, H, K, offs_k, USE_L2NORM)
-            l_beta = _load_beta_rows(beta, l_tok, l_in, i_hv, HV, USE_BETA_SIGMOID)
-            l_cum = _load_cum_rows(cum_g, l_tok, l_in, i_hv, HV, K, offs_k, cum_last)
-            l_ref = _row(l_cum, sub, 0)
-            l_decay = tl.exp(l_cum - l_ref[None, :])
-            l_rows = chunk_id * CHUNK * CHUNK + (i_l * BLOCK + sub)[:, None] * CHUNK
-            m_a = l_beta[:, None] * tl.load(solve + l_rows + i_b * BLOCK + sub[None, :])
-            m_q = tl.load(aqk + l_rows + i_b * BLOCK + sub[None, :])
-            col_ref = tl.dot(tl.trans(m_a.to(dot_dtype)), (l_k * l_decay).to(dot_dtype),
-                             input_precision=DOT_PRECISION)  # fmt: skip
-            col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), (l_q * l_decay).to(dot_dtype),
-                              input_precision=DOT_PRECISION)  # fmt: skip
-            col += col_ref * tl.exp(l_ref[None, :] - r_cum)
-        # The diagonal block: dense fp32 dots at ref under the safe gate, else dyadic.
-        d_a_blk = tl.load(solve + block_rows + i_b * BLOCK + sub[None, :])
-        m_q = tl.load(aqk + block_rows + i_b * BLOCK + sub[None, :])
-        if SAFE_GATE:
-            diag_k, diag_q, diag_col, diag_dbeta = _dense_diagonal_grads(
-                r_beta[:, None] * d_a_blk, m_q, d_a_blk, r_q, r_k, r_cum, ref
-            )
-        else:
-            diag_k, diag_q, diag_col, diag_dbeta = _dyadic_diagonal_grads(
-                d_a_blk, r_beta, m_q, r_q, r_k, r_cum
-            )
-        row_k = row_k * tl.exp(r_cum - ref[None, :]) + diag_k
-        row_q = row_q * tl.exp(r_cum - ref[None, :]) + diag_q
-        col += diag_col
-        r_dbeta += diag_dbeta
+    zero = tl.zeros([BLOCK, BK], dtype=tl.float32)
 
-        # Complete this block's rows.
-        r_offsets = (r_tok * HV + i_hv)[:, None] * K + offs_k[None, :]
-        r_dq = tl.load(dq_rows + r_offsets, mask=r_mask_k, other=0.0) + row_q
-        r_dk = tl.load(dk_rows + r_offsets, mask=r_mask_k, other=0.0) + row_k + col
-        r_dcum = tl.load(d_cum_rows + r_offsets, mask=r_mask_k, other=0.0)
-        r_dcum += r_q * row_q + r_k * row_k - r_k * col
-        if HV == H:  # no value-head group to sum first: finish q and k here
-            qk_offsets = (r_tok * H + i_h)[:, None] * K + offs_k[None, :]
-            if USE_L2NORM:
-                r_dq = _l2norm_backward(q, r_tok, r_in, i_h, H, K, offs_k, r_dq)
-                r_dk = _l2norm_backward(k, r_tok, r_in, i_h, H, K, offs_k, r_dk)
-            tl.store(dq + qk_offsets, r_dq.to(dq.dtype.element_ty), mask=r_mask_k)
-            tl.store(dk + qk_offsets, r_dk.to(dk.dtype.element_ty), mask=r_mask_k)
-        else:
-            tl.store(dq_rows + r_offsets, r_dq, mask=r_mask_k)
-            tl.store(dk_rows + r_offsets, r_dk, mask=r_mask_k)
-        # G_i = Σ_{s <= i} g_s inside the chunk: dg is the reverse cumsum of dG.
-        d_raw = tl.cumsum(r_dcum, axis=0, reverse=True) + d_later[None, :]
-        d_later += tl.sum(r_dcum, axis=0)
-        if SCALAR_GATE:  # one gate shared by the K channels
-            d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
-                [1, BK], dtype=tl.float32
-            )
-        if USE_GATE:
-            x = _gate_input(g, dt_bias, r_tok, r_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                            HAS_DT_BIAS)  # fmt: skip
-            d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
-            used = r_in[:, None] & channel[None, :]
-            d_a_log += tl.sum(tl.sum(tl.where(used, d_rate, 0.0), axis=1), axis=0)
-            d_dt += tl.sum(tl.where(used, d_raw, 0.0), axis=0)
-        if SCALAR_GATE:
-            d_raw = _column(d_raw, offs_k, 0)
-            tl.store(dg + r_tok * HV + i_hv, d_raw.to(dg.dtype.element_ty), mask=r_in)
-        else:
-            tl.store(dg + r_offsets, d_raw.to(dg.dtype.element_ty), mask=r_mask_k)
+    # fmt: off
+    q0, k0, beta0, cum0 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
+                                           0, i_h, i_hv, offs_k, cum_last, H, HV, K,
+                                           USE_L2NORM, USE_BETA_SIGMOID)
+    q1, k1, beta1, cum1 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
+                                           1, i_h, i_hv, offs_k, cum_last, H, HV, K,
+                                           USE_L2NORM, USE_BETA_SIGMOID)
+    q2, k2, beta2, cum2 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
+                                           2, i_h, i_hv, offs_k, cum_last, H, HV, K,
+                                           USE_L2NORM, USE_BETA_SIGMOID)
+    q3, k3, beta3, cum3 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
+                                           3, i_h, i_hv, offs_k, cum_last, H, HV, K,
+                                           USE_L2NORM, USE_BETA_SIGMOID)
 
-        r_dbeta += tl.load(dbeta + r_tok * HV + i_hv, mask=r_in, other=0.0)
-        if USE_BETA_SIGMOID:
-            s = tl.sigmoid(tl.load(beta + r_tok * HV + i_hv, mask=r_in, other=0.0).to(tl.float32))
-            r_dbeta *= s * (1.0 - s)
-        tl.store(dbeta + r_tok * HV + i_hv, r_dbeta, mask=r_in)
+    ref, up, k_in, q_in = _open_rows(q3, k3, cum3, dot_dtype)
+    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 3, 0, ref, beta3, k_in, q_in,
+                                          k0, cum0, zero, zero, zero, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(aqk, solve, chunk_id, 3, 1, ref, beta3, k_in, q_in,
+                                          k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
+    rows_a, rows_q, col2 = _earlier_block(aqk, solve, chunk_id, 3, 2, ref, beta3, k_in, q_in,
+                                          k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
+    d_later, d_a_log, d_dt = _finish_block(
+        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
+        start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up, rows_a,
+        rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+
+    ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
+    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 2, 0, ref, beta2, k_in, q_in,
+                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(aqk, solve, chunk_id, 2, 1, ref, beta2, k_in, q_in,
+                                          k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
+    d_later, d_a_log, d_dt = _finish_block(
+        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
+        start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up, rows_a,
+        rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+
+    ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
+    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 1, 0, ref, beta1, k_in, q_in,
+                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
+    d_later, d_a_log, d_dt = _finish_block(
+        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
+        start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up, rows_a,
+        rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+
+    ref, up, k_in, q_in = _open_rows(q0, k0, cum0, dot_dtype)
+    d_later, d_a_log, d_dt = _finish_block(
+        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
+        start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up, zero,
+        zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+    # fmt: on
     if USE_GATE:
-        tl.store(dA_log_part + chunk_id, d_a_log)
+        tl.store(dA_log_part + chunk_id * N_K + i_k, d_a_log)
         if SCALAR_GATE:
-            tl.store(ddt_part + chunk_id, tl.sum(d_dt, axis=0))
+            tl.store(ddt_part + chunk_id * N_K + i_k, tl.sum(d_dt, axis=0))
         else:
             tl.store(ddt_part + chunk_id * K + offs_k, d_dt, mask=mask_k)
+
+
+@triton.jit
+def chunk_bwd_qk_kernel(
+    x, d_unit, n_tokens,
+    dx,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):  # fmt: skip
+    """The gradient of q or k (``[B, T, H, K]``, its dtype) for BT tokens of head i_h from
+    the per-value-head gradients of its l2-normalised rows (``[B, T, HV, K]`` fp32): the
+    sum over the head's value-head group, then the l2norm backward. Apart from the pairs
+    kernel because that one sees only some key columns, and the l2norm backward needs a
+    whole row."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    tokens = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    rows_in = tokens < n_tokens
+    offs_k = tl.arange(0, BK)
+    mask = rows_in[:, None] & (offs_k < K)[None, :]
+    d = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_g in range(0, HV // H):
+        d += tl.load(d_unit + (tokens * HV + i_h * (HV // H) + i_g)[:, None] * K
+                     + offs_k[None, :], mask=mask, other=0.0)  # fmt: skip
+    if USE_L2NORM:
+        d = _l2norm_backward(x, tokens, rows_in, i_h, H, K, offs_k, d)
+    tl.store(dx + (tokens * H + i_h)[:, None] * K + offs_k[None, :], d.to(dx.dtype.element_ty),
+             mask=mask)  # fmt: skip
 
 
 def launch_chunk_kda_backward(
@@ -671,7 +812,8 @@ def launch_chunk_kda_backward(
 
     Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
     gradients (fp32 ``[R, HV, K, V]`` each), G, dv_new, three row-gradient buffers (fp32
-    ``[B, T, HV, K or V]``), w, qg, kd (input dtype) and Aqk, T (fp32 ``[R, HV, 64, 64]``);
+    ``[B, T, HV, K or V]``), w, qg, kd (input dtype), Aqk, T (fp32 ``[R, HV, 64, 64]``)
+    and small per-token ones (inverse norms, dβ's shares over the key-column blocks);
     at B = 1, T = 8192, HV = 64, K = V = 128 about 3 GB besides the outputs."""
     q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
@@ -710,9 +852,10 @@ def launch_chunk_kda_backward(
     cum_g = torch.empty(*tokens_shape, head_k, **f32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     aqk, solve = torch.empty(2, n_chunks, value_heads, CHUNK, CHUNK, **f32)
+    q_norm, k_norm = torch.empty(2, *tokens_shape, **f32)
     chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
         q, k, g, beta, *gate_args, scale, lower, length, n_seqs,
-        cum_g, w, qg, kd, aqk, solve, **shape, **flags, **launch,
+        cum_g, w, qg, kd, aqk, solve, q_norm, k_norm, **shape, **flags, **launch,
     )  # fmt: skip
 
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
@@ -731,16 +874,8 @@ def launch_chunk_kda_backward(
 
     del qg, kd  # only the scan reads them
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
-    # Grouped value heads share q and k: their gradients are summed before the l2norm
-    # backward, in PyTorch; without groups the pairs kernel finishes them.
-    grouped = value_heads != heads
-    dq, dk = (None, None) if grouped else (torch.empty_like(q), torch.empty_like(k))
     dv = torch.empty_like(v)
-    dg = torch.empty_like(g)
     dbeta = torch.empty(*tokens_shape, **f32)
-    # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
-    dA_log_part = torch.zeros(n_chunks, value_heads, **f32)
-    ddt_part = torch.zeros(n_chunks, value_heads, *g.shape[3:], **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
         scale, length, n_seqs, aqk, solve, dq_hat, dk_hat, d_cum, dv, dbeta,
@@ -749,31 +884,50 @@ def launch_chunk_kda_backward(
         USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=precision, **launch,
     )  # fmt: skip
-    chunk_bwd_pairs_kernel[(n_chunks, value_heads)](
-        q, k, g, beta, *gate_args, cum_g, aqk, solve, d_cum, lower, length, n_seqs,
-        dq_hat, dk_hat, dq, dk, dg, dbeta, dA_log_part, ddt_part, **shape, **flags,
-        **launch,
-    )  # fmt: skip
 
-    if grouped:
-        dq = _qk_input_grad(q, dq_hat, use_qk_l2norm)
-        dk = _qk_input_grad(k, dk_hat, use_qk_l2norm)
+    # The pairs kernel splits the key columns (N_K blocks): the sums over them (dβ, the
+    # scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back as shares.
+    pair_k = pairs_key_columns(block_k, q.device)
+    n_k = triton.cdiv(head_k, pair_k)
+    scalar_gate = g.dim() == 3
+    dg = torch.empty(*tokens_shape, n_k, **f32) if scalar_gate else torch.empty_like(g)
+    dbeta_part = torch.empty(*tokens_shape, n_k, **f32)
+    # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
+    dA_log_part = torch.zeros(n_chunks, value_heads, n_k, **f32)
+    ddt_part = torch.zeros(n_chunks, value_heads, n_k if scalar_gate else head_k, **f32)
+    chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
+        q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, aqk, solve, d_cum,
+        lower, length, n_seqs,
+        dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
+        **dict(shape, BK=pair_k), **flags, num_warps=4, num_stages=1,
+    )  # fmt: skip
+    # Grouped value heads share q and k: each head sums its group before the l2norm backward.
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):
+        chunk_bwd_qk_kernel[(triton.cdiv(batch * length, 32), heads)](
+            x, d_unit, batch * length, dx, H=heads, HV=value_heads, K=head_k, BK=block_k,
+            BT=32, USE_L2NORM=use_qk_l2norm, num_warps=4,
+        )  # fmt: skip
+
+    if scalar_gate:
+        dg = dg.sum(-1).to(g.dtype)
+    dbeta = dbeta + dbeta_part.sum(-1)
+    if use_beta_sigmoid:
+        gate = torch.sigmoid(beta.float())
+        dbeta = dbeta * gate * (1.0 - gate)
     # A fresh empty tensor for each absent input: an op's outputs may not alias.
-    d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum(0).to(A_log.dtype)
-    d_dt_bias = q.new_empty(0) if dt_bias is None else ddt_part.sum(0).flatten().to(dt_bias.dtype)
+    d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum((0, 2)).to(A_log.dtype)
+    d_dt = ddt_part.sum(0)
+    if scalar_gate:
+        d_dt = d_dt.sum(-1)
+    d_dt_bias = q.new_empty(0) if dt_bias is None else d_dt.flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
 
 
-def _qk_input_grad(x: Tensor, d_unit: Tensor, use_qk_l2norm: bool) -> Tensor:
-    """The gradient of q or k ``[B, T, H, K]`` from the per-value-head gradient of its
-    (l2-normalised) rows ``[B, T, HV, K]`` fp32: sum each head's value-head group, then
-    the l2norm backward ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``, in fp32."""
-    batch, length, heads, head_k = x.shape
-    d = d_unit.view(batch, length, heads, d_unit.shape[2] // heads, head_k).sum(3)
-    if use_qk_l2norm:
-        xf = x.float()
-        inv_norm = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS.value)
-        unit = xf * inv_norm
-        d = (d - unit * (unit * d).sum(-1, keepdim=True)) * inv_norm
-    return d.to(x.dtype)
+def pairs_key_columns(block_k: int, device: torch.device) -> int:
+    """Key columns per program of ``chunk_bwd_pairs_kernel``: 32 (a [16, 32] fp32 tile
+    is 4 registers a thread at 4 warps, so the chunk's four row blocks and the column
+    accumulators stay in registers); off CUDA (the interpreter) 16, so that CI covers
+    several column blocks."""
+    return min(block_k, 32 if device.type == "cuda" else 16)
