@@ -18,11 +18,13 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
    dv_new (fp32), dS' of every chunk (fp32, at the chunk's global number) and dS of the
    first chunk (the initial state's gradient). It never needs S itself.
-3. ``chunk_bwd_wy_kernel``, token-parallel, on all 64 rows, one value block at a time:
-   recomputes ``u = T β V`` and ``v_new = u - w S``, and accumulates ``dqg = dO Sᵀ``,
-   ``dkd = v_new dS'ᵀ``, ``dAqk = dO v_newᵀ``, ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``),
-   ``dRw = Tᵀ dw = -dRu Sᵀ``, ``dA = -(dRu uᵀ + dRw wᵀ)`` and the decay term of Γ_C;
-   writes dv and the row-local parts of dq, dk, dG, dbeta.
+3. ``chunk_bwd_wy_kernel``, token-parallel, on all 64 rows, in two passes. By value
+   blocks: recomputes ``u = T β V`` and ``v_new = u - w S``, computes ``dRu = Tᵀ dv_new``
+   (so ``dv = β dRu``) and accumulates ``dAqk = dO v_newᵀ`` and dRu's terms of dA and
+   dbeta. Then by key blocks, contracting over all of V at once: ``dqg = dO Sᵀ``,
+   ``dkd = v_new dS'ᵀ``, ``dRw = Tᵀ dw = -dRu Sᵀ``, the decay term of Γ_C and dRw's
+   terms of ``dA = -(dRu uᵀ + dRw wᵀ)`` and dbeta; writes dv and the row-local parts of
+   dq, dk, dG, dbeta.
 4. ``chunk_bwd_pairs_kernel``, token-parallel and split over the key columns (grid:
    chunks × column blocks of 32, value heads): every pair term is a per-column product,
    so a program holds the chunk's four 16-row blocks of its columns (loaded once,
@@ -40,9 +42,13 @@ forward; their HBM round trip is what the head-parallel scan costs anyway). G, T
 qg, kd are recomputed once by kernel 1 because kernel 2 reads them serially per chunk and
 kernel 3 needs T, and recomputing them per value block would repeat the O(C² K) work;
 u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
-rather than stored. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes
-over T's buffer and scale·dAqk over Aqk's (neither is needed any more), the row-local
-gradients into fp32 dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
+rather than stored. Kernel 3's first pass hands v_new and dRu to its second through
+memory (input dtype, as the products that read them): one pass over V with the three
+``[C, K]`` row gradients accumulated in registers needed ~250 registers a thread and
+spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is one dot. Kernel 4
+needs row blocks of what kernel 3 builds on 64 rows: dA goes over T's buffer and
+scale·dAqk over Aqk's (neither is needed any more), the row-local gradients into fp32
+dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
 Kernels 3 and 4 are separate because they only communicate through memory anyway, and
 apart each needs fewer registers. Kernel 4 was one program per chunk and value head on
 all 128 columns, re-loading (and re-normalising) every other row block for each block:
@@ -462,21 +468,42 @@ def chunk_bwd_state_kernel(
 
 
 @triton.jit
+def _inverse_norms(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
+                   USE_L2NORM: tl.constexpr):  # fmt: skip
+    """``[R]`` fp32 factors that l2-normalise whole rows of q or k (ones without
+    ``USE_L2NORM``), for rows loaded a block of columns at a time."""
+    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
+    factors = tl.full([raw.shape[0]], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        factors = tl.rsqrt(tl.sum(raw * raw, axis=1) + L2NORM_EPS)
+    return factors
+
+
+@triton.jit
 def chunk_bwd_wy_kernel(
-    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
-    scale, length, n_seqs,
-    aqk, solve, dq_rows, dk_rows, d_cum_rows, dv, dbeta,
+    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, w, chunk_states, dstates, grad_o,
+    dv_new, scale, length, n_seqs,
+    aqk, solve, v_new_rows, d_ru_rows, dq_rows, dk_rows, d_cum_rows, dv, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """For chunk i_c and value head i_hv, on all 64 rows, one value block at a time:
-    everything that goes through S, dS' and T. Writes dv (v's dtype, final), the row-local
-    parts of dq, dk (of the l2-normalised rows, per value head), dG (all three fp32
-    ``[B, T, HV, K]``) and dbeta (fp32 ``[B, T, HV]``), and overwrites
-    T in ``solve`` with dA and ``aqk`` with scale·dAqk (both ``[C, C]`` fp32, zero above
-    the diagonal, strictly lower for dA)."""
+    """For chunk i_c and value head i_hv, on all 64 rows: everything that goes through S,
+    dS' and T, in two passes so that no ``[C, K]`` accumulator lives across a loop:
+
+    1. by value blocks of BV_STEP: u = T β V, v_new = u - w S, dRu = Tᵀ dv_new (both
+       stored for pass 2 in ``v_new_rows`` / ``d_ru_rows``, q's dtype ``[B, T, HV, V]``),
+       dv = β dRu, dAqk = dO v_newᵀ, and dRu's terms of dA and dbeta;
+    2. by key blocks of BK_STEP, contracting over all of V (BV, padded) at once:
+       dqg = dO Sᵀ, dkd = v_new dS'ᵀ, dRw = -dRu Sᵀ, the decay term of Γ_C, dRw's terms of
+       dA and dbeta, and the row gradients of these key columns.
+
+    Writes dv (v's dtype, final), the row-local parts of dq, dk (of the l2-normalised
+    rows, per value head), dG (all three fp32 ``[B, T, HV, K]``) and dbeta (fp32
+    ``[B, T, HV]``), and overwrites T in ``solve`` with dA and ``aqk`` with scale·dAqk
+    (both ``[C, C]`` fp32, zero above the diagonal, strictly lower for dA)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -488,74 +515,98 @@ def chunk_bwd_wy_kernel(
     dot_dtype = q.dtype.element_ty
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
     last = tl.minimum(remaining, CHUNK) - 1
-    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
     rows = tl.arange(0, CHUNK)
     in_seq = rows < remaining
-    tokens = start + rows
-    token_offsets = (tokens * HV + i_hv)[:, None]
-    mask_rows_k = in_seq[:, None] & mask_k[None, :]
-    square = chunk_id * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
-    b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
-    b_t = tl.load(solve + square, mask=rows[:, None] >= rows[None, :], other=0.0)
-    b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
-    d_qg = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO Sᵀ
-    d_kd = tl.zeros([CHUNK, BK], dtype=tl.float32)  # v_new dS'ᵀ
-    d_rw = tl.zeros([CHUNK, BK], dtype=tl.float32)  # Tᵀ dw
+    # 64-bit scalar bases and 32-bit offsets within the chunk: 64-bit offset tiles, hoisted
+    # out of the loops, would hold two registers an element.
+    state = chunk_id * K * V  # this chunk's [K, V] state and its gradient
+    square = chunk_id * CHUNK * CHUNK
+    value_base = (start * HV + i_hv) * V
+    key_base = (start * HV + i_hv) * K
+    row_offsets = (rows * HV)[:, None]
+    in_square = rows[:, None] * CHUNK + rows[None, :]
+    b_beta = _load_beta_rows(beta + start * HV, rows, in_seq, i_hv, HV, USE_BETA_SIGMOID)
+    b_t = tl.load(solve + square + in_square, mask=rows[:, None] >= rows[None, :], other=0.0)
+    b_w = tl.load(w + key_base + row_offsets * K + offs_k[None, :],
+                  mask=in_seq[:, None] & mask_k[None, :], other=0.0).to(dot_dtype)  # fmt: skip
     d_aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
-    d_decay = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS', the decay term of Γ_C
-    for i_v in range(0, tl.cdiv(V, BV)):
-        offs_v = i_v * BV + tl.arange(0, BV)
+    for i_v in range(0, tl.cdiv(V, BV_STEP)):
+        offs_v = i_v * BV_STEP + tl.arange(0, BV_STEP)
         mask_v = offs_v < V
         mask_rows_v = in_seq[:, None] & mask_v[None, :]
-        tile = chunk_id * K * V + offs_k[:, None] * V + offs_v[None, :]
-        tile_mask = mask_k[:, None] & mask_v[None, :]
-        b_s = tl.load(chunk_states + tile, mask=tile_mask, other=0.0)
-        b_ds = tl.load(dstates + tile, mask=tile_mask, other=0.0)
-        b_v = tl.load(v + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
-                      other=0.0).to(tl.float32)  # fmt: skip
-        b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
+        value_offsets = row_offsets * V + offs_v[None, :]
+        b_s = tl.load(chunk_states + state + offs_k[:, None] * V + offs_v[None, :],
+                      mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+        b_v = tl.load(v + value_base + value_offsets, mask=mask_rows_v, other=0.0).to(tl.float32)
+        b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
                        other=0.0).to(dot_dtype)  # fmt: skip
-        b_dvn = tl.load(dv_new + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
-                        other=0.0)  # fmt: skip
+        b_dvn = tl.load(dv_new + value_base + value_offsets, mask=mask_rows_v, other=0.0)
         b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
-        b_s_t = tl.trans(b_s.to(dot_dtype))
-        v_new = b_u - tl.dot(b_w.to(dot_dtype), b_s.to(dot_dtype), input_precision=DOT_PRECISION)
+        v_new = b_u - tl.dot(b_w, b_s.to(dot_dtype), input_precision=DOT_PRECISION)
         v_new = v_new.to(dot_dtype)
-        d_qg += tl.dot(b_do, b_s_t, input_precision=DOT_PRECISION)
-        d_kd += tl.dot(v_new, tl.trans(b_ds.to(dot_dtype)), input_precision=DOT_PRECISION)
         d_aqk += tl.dot(b_do, tl.trans(v_new), input_precision=DOT_PRECISION)
         d_ru = tl.dot(tl.trans(b_t), b_dvn, input_precision=DOT_PRECISION)
-        tl.store(dv + token_offsets * V + offs_v[None, :],
+        tl.store(dv + value_base + value_offsets,
                  (b_beta[:, None] * d_ru).to(dv.dtype.element_ty), mask=mask_rows_v)  # fmt: skip
+        tl.store(v_new_rows + value_base + value_offsets, v_new, mask=mask_rows_v)
+        tl.store(d_ru_rows + value_base + value_offsets, d_ru.to(dot_dtype), mask=mask_rows_v)
         d_beta += tl.sum(d_ru * b_v, axis=1)
-        d_rw -= tl.dot(d_ru.to(dot_dtype), b_s_t, input_precision=DOT_PRECISION)
         d_a -= tl.dot(d_ru, tl.trans(b_u), input_precision=DOT_PRECISION)
-        d_decay += tl.sum(b_s * b_ds, axis=1)
-    d_a -= tl.dot(d_rw, tl.trans(b_w.to(tl.float32)), input_precision=DOT_PRECISION)
+    tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
+    tl.store(aqk + square + in_square, tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0))
 
-    # Loaded only now so that they do not occupy registers during the value loop.
-    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
-    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, USE_L2NORM)
-    b_cum = _load_cum_rows(cum_g, tokens, in_seq, i_hv, HV, K, offs_k, cum_last)
-    gamma = tl.exp(b_cum)
-    to_end = tl.exp(cum_last[None, :] - b_cum)
-    d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
-    d_q = scale * gamma * d_qg
-    d_k = b_beta[:, None] * gamma * d_rw + to_end * d_kd
-    d_cum = b_q * d_q + b_beta[:, None] * b_k * gamma * d_rw - b_k * to_end * d_kd
-    # G_C (the last row) also scales the carried state and every kd row.
-    d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
-    d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
-    k_offsets = token_offsets * K + offs_k[None, :]
-    tl.store(dq_rows + k_offsets, d_q, mask=mask_rows_k)
-    tl.store(dk_rows + k_offsets, d_k, mask=mask_rows_k)
-    tl.store(d_cum_rows + k_offsets, d_cum, mask=mask_rows_k)
-    tl.store(dbeta + tokens * HV + i_hv, d_beta, mask=in_seq)
-    tl.debug_barrier()  # every thread has read T before dA overwrites it
-    tl.store(solve + square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
-    tl.store(aqk + square, tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0))
+    offs_v = tl.arange(0, BV)
+    mask_v = offs_v < V
+    mask_rows_v = in_seq[:, None] & mask_v[None, :]
+    value_offsets = row_offsets * V + offs_v[None, :]
+    b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
+                   other=0.0).to(dot_dtype)  # fmt: skip
+    v_new = tl.load(v_new_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
+    d_ru = tl.load(d_ru_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
+    q_chunk = q + start * H * K
+    k_chunk = k + start * H * K
+    cum_chunk = cum_g + start * HV * K
+    q_norm = _inverse_norms(q_chunk, rows, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    k_norm = _inverse_norms(k_chunk, rows, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    for i_k in range(0, tl.cdiv(K, BK_STEP)):
+        offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
+        mask_kb = offs_kb < K
+        mask_rows_kb = in_seq[:, None] & mask_kb[None, :]
+        key_offsets = row_offsets * K + offs_kb[None, :]
+        tile = state + offs_kb[:, None] * V + offs_v[None, :]
+        tile_mask = mask_kb[:, None] & mask_v[None, :]
+        s_keys = tl.load(chunk_states + tile, mask=tile_mask, other=0.0)
+        ds_keys = tl.load(dstates + tile, mask=tile_mask, other=0.0)
+        s_keys_t = tl.trans(s_keys.to(dot_dtype))
+        d_qg = tl.dot(b_do, s_keys_t, input_precision=DOT_PRECISION)
+        d_kd = tl.dot(v_new, tl.trans(ds_keys.to(dot_dtype)), input_precision=DOT_PRECISION)
+        d_rw = -tl.dot(d_ru, s_keys_t, input_precision=DOT_PRECISION)  # Tᵀ dw
+        w_keys = tl.load(w + key_base + key_offsets, mask=mask_rows_kb,
+                         other=0.0).to(tl.float32)  # fmt: skip
+        d_a -= tl.dot(d_rw, tl.trans(w_keys), input_precision=DOT_PRECISION)
+
+        cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
+                           other=0.0)  # fmt: skip
+        b_q = _load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False) * q_norm[:, None]
+        b_k = _load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False) * k_norm[:, None]
+        b_cum = _load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
+        gamma = tl.exp(b_cum)
+        to_end = tl.exp(cum_last[None, :] - b_cum)
+        d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
+        d_q = scale * gamma * d_qg
+        d_k = b_beta[:, None] * gamma * d_rw + to_end * d_kd
+        d_cum = b_q * d_q + b_beta[:, None] * b_k * gamma * d_rw - b_k * to_end * d_kd
+        # G_C (the last row) also scales the carried state (Σ_v S ⊙ dS') and every kd row.
+        d_decay = tl.sum(s_keys * ds_keys, axis=1)
+        d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
+        d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
+        tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
+        tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
+        tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
+    tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
+    tl.store(solve + square + in_square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
 
 
 @triton.jit
@@ -812,8 +863,9 @@ def launch_chunk_kda_backward(
 
     Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
     gradients (fp32 ``[R, HV, K, V]`` each), G, dv_new, three row-gradient buffers (fp32
-    ``[B, T, HV, K or V]``), w, qg, kd (input dtype), Aqk, T (fp32 ``[R, HV, 64, 64]``)
-    and small per-token ones (inverse norms, dβ's shares over the key-column blocks);
+    ``[B, T, HV, K or V]``), w, qg, kd, then in qg and kd's place v_new and dRu (input
+    dtype), Aqk, T (fp32 ``[R, HV, 64, 64]``) and small per-token ones (inverse norms,
+    dβ's shares over the key-column blocks);
     at B = 1, T = 8192, HV = 64, K = V = 128 about 3 GB besides the outputs."""
     q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
@@ -847,6 +899,9 @@ def launch_chunk_kda_backward(
     # K > 128 halves the WY kernel's value block (ptxas: every config within 140 KB).
     launch = dict(num_warps=warps, num_stages=1 if q.dtype == torch.float32 else 2)
     wy_block_v = min(block_v, 32 if block_k <= 128 else 16)
+    # The WY kernel's pass over K (ptxas, K = V = 128: 68 / 36 bytes of spills at 32 / 16
+    # columns, but twice the trips at 16).
+    wy_block_k = min(block_k, 32)
 
     tokens_shape = (batch, length, value_heads)
     cum_g = torch.empty(*tokens_shape, head_k, **f32)
@@ -873,16 +928,19 @@ def launch_chunk_kda_backward(
     )  # fmt: skip
 
     del qg, kd  # only the scan reads them
+    # The WY kernel's pass 1 to pass 2 (with K == V, in the blocks qg and kd leave free).
+    v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
     dbeta = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
-        q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o, dv_new,
-        scale, length, n_seqs, aqk, solve, dq_hat, dk_hat, d_cum, dv, dbeta,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=wy_block_v,
-        BN=shape["BN"], CHUNK=CHUNK, USE_L2NORM=use_qk_l2norm,
-        USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, **launch,
+        q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o,
+        dv_new, scale, length, n_seqs, aqk, solve, v_new_rows, d_ru_rows, dq_hat, dk_hat,
+        d_cum, dv, dbeta,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
+        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision, **launch,
     )  # fmt: skip
 
     # The pairs kernel splits the key columns (N_K blocks): the sums over them (dβ, the

@@ -120,8 +120,8 @@ def test_varlen_dyadic_diagonal():
 
 def test_several_value_blocks():
     """V = 40: two value blocks of 32 (the second partly masked) in the scan's grid and in
-    the WY kernel's loop over V; K = 24 pads to 32."""
-    check_gradients("safe_gate", length=70, head_k=24, head_v=40)
+    the WY kernel's pass over V; K = 40 likewise in its pass over K (padded to 64)."""
+    check_gradients("safe_gate", length=70, head_k=40, head_v=40)
 
 
 @pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate"])
