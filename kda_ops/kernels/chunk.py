@@ -586,16 +586,35 @@ def launch_chunk_kda(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
-    intermediates = (w, u, qg, kd, aqk, chunk_decay)
+    scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, chunk_offsets, o,
+                final_state, chunk_states, precision, segments)  # fmt: skip
+    return o, final_state
+
+
+def scan_chunks(
+    intermediates: tuple[Tensor, ...],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    chunk_offsets: Optional[Tensor],
+    o: Optional[Tensor],
+    final_state: Tensor,
+    chunk_states: Optional[Tensor],
+    precision: str,
+    segments: Optional[int] = None,
+) -> None:
+    """The head-parallel recurrence over the prepare kernel's ``(w, u, qg, kd, aqk,
+    chunk_decay)`` (shapes as ``launch_chunk_kda`` allocates them): writes ``final_state``
+    and, when given, the outputs ``o`` and the chunk-start states; ``chunk_offsets`` of
+    ``cu_seqlens`` (``sequence_chunk_offsets``). ``segments`` as in ``launch_chunk_kda``."""
+    batch, length, value_heads = intermediates[1].shape[:3]
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, cu_seqlens, q.device)
+        segments = recurrence_segments(batch, length, value_heads, cu_seqlens, final_state.device)
     if segments == 1:
         _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
                     final_state, chunk_states, precision)  # fmt: skip
     else:
         _segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
                               final_state, chunk_states, precision)  # fmt: skip
-    return o, final_state
 
 
 MIN_SEGMENT_TOKENS = 8192

@@ -1,5 +1,5 @@
-"""Chunkwise KDA / Gated DeltaNet backward in five kernels, after the forward of
-``launch_chunk_kda`` has been re-run for the chunk-start states.
+"""Chunkwise KDA / Gated DeltaNet backward in five kernels and the forward's recurrence
+kernel (for the chunk-start states, from kernel 1's intermediates).
 
 Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
 (l2-normalised) rows, β, in-chunk cumulative log-decay G (Γ = exp(G), Γ_C its last row),
@@ -11,8 +11,10 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads). Recomputes
    the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the 64×64 inverse
    T by block forward substitution (stored fp32: the backward applies Tᵀ, so it needs T
-   itself, not just T applied to the forward's right-hand sides), and w, qg, kd (stored
-   in the input dtype) and, with the l2norm, the rows' inverse norms (fp32).
+   itself, not just T applied to the forward's right-hand sides), w, qg, kd, u (stored
+   in the input dtype), the chunks' total log-decay and, with the l2norm, the rows'
+   inverse norms (fp32). The forward's ``chunk_recurrence_kernel`` (``scan_chunks``)
+   then writes the chunk-start states from w, u, kd.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -37,10 +39,11 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    the l2-normalised rows, summing each head's value-head group, then the l2norm
    backward (a whole-row product, hence not in kernel 4).
 
-Saved versus recomputed: the chunk states S come from the forward kernels (one more
-forward; their HBM round trip is what the head-parallel scan costs anyway). G, T, Aqk, w,
-qg, kd are recomputed once by kernel 1 because kernel 2 reads them serially per chunk and
-kernel 3 needs T, and recomputing them per value block would repeat the O(C² K) work;
+Saved versus recomputed: the chunk states S are recomputed by the forward's recurrence
+kernel (their HBM round trip is what the head-parallel scan costs anyway), from kernel 1's
+w, u, kd: the forward's prepare kernel does not run again. G, T, Aqk, w, qg, kd are
+recomputed once by kernel 1 because kernel 2 reads them serially per chunk and kernel 3
+needs T, and recomputing them per value block would repeat the O(C² K) work;
 u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
 rather than stored. Kernel 3's first pass hands v_new and dRu to its second through
 memory (input dtype, as the products that read them): one pass over V with the three
@@ -84,9 +87,9 @@ from kda_ops.kernels.chunk import (
     diagonal_block,
     dyadic_level,
     inverse_unit_lower,
-    launch_chunk_kda,
     locate_chunk,
     prepare_flags,
+    scan_chunks,
     scan_value_columns,
     sequence_span,
     unit_rows,
@@ -293,21 +296,24 @@ def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k,
 
 @triton.jit
 def chunk_bwd_prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
     scale, lower_bound, length, n_seqs,
-    cum_g, w, qg, kd, aqk, solve, q_norm, k_norm,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Writes, for the tokens of chunk i_c and value head i_hv: cum_g (fp32
-    ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), and at
-    ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk (causal part only; blocks above
-    the diagonal are left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse
-    norms of the q and k rows (fp32 ``[B, T, HV]``) for the pairs kernel, which reads only
-    some key columns of a row."""
+    ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), u = T β V (v's dtype,
+    ``[B, T, HV, V]``), the chunk's total log-decay at ``chunk_decay[i_c, i_hv]`` (fp32
+    ``[n_chunks, HV, K]``; with w, u, qg, kd what the forward's recurrence kernel reads for
+    the chunk states), and at ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk
+    (causal part only; blocks above the diagonal are left unwritten) and T (likewise);
+    with ``USE_L2NORM`` the inverse norms of the q and k rows (fp32 ``[B, T, HV]``) for
+    the pairs kernel, which reads only some key columns of a row."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -404,6 +410,13 @@ def chunk_bwd_prepare_kernel(
              mask=mask_rows_k)  # fmt: skip
     tl.store(kd + token_offsets, (b_k * tl.exp(cum_last[None, :] - b_cum)).to(kd.dtype.element_ty),
              mask=mask_rows_k)  # fmt: skip
+    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, cum_last, mask=mask_k)
+    offs_v = tl.arange(0, BV)
+    mask_rows_v = in_seq[:, None] & (offs_v < V)[None, :]
+    value_offsets = (tokens * HV + i_hv)[:, None] * V + offs_v[None, :]
+    b_v = tl.load(v + value_offsets, mask=mask_rows_v, other=0.0).to(tl.float32)
+    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
+    tl.store(u + value_offsets, b_u.to(u.dtype.element_ty), mask=mask_rows_v)
 
 
 @triton.jit
@@ -869,6 +882,8 @@ def launch_chunk_kda_backward(
     at B = 1, T = 8192, HV = 64, K = V = 128 about 3 GB besides the outputs."""
     q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     if cu_seqlens is None:
@@ -878,11 +893,6 @@ def launch_chunk_kda_backward(
     n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
-    chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
-    launch_chunk_kda(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_beta_sigmoid, chunk_states=chunk_states, output=False,
-    )  # fmt: skip
 
     block_k = max(16, triton.next_power_of_2(head_k))  # tl.dot needs dims >= 16
     block_v = max(16, triton.next_power_of_2(head_v))
@@ -906,12 +916,22 @@ def launch_chunk_kda_backward(
     tokens_shape = (batch, length, value_heads)
     cum_g = torch.empty(*tokens_shape, head_k, **f32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
+    u = v.new_empty(*tokens_shape, head_v)
     aqk, solve = torch.empty(2, n_chunks, value_heads, CHUNK, CHUNK, **f32)
+    chunk_decay = torch.empty(n_chunks, value_heads, head_k, **f32)
     q_norm, k_norm = torch.empty(2, *tokens_shape, **f32)
     chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
-        q, k, g, beta, *gate_args, scale, lower, length, n_seqs,
-        cum_g, w, qg, kd, aqk, solve, q_norm, k_norm, **shape, **flags, **launch,
+        q, k, v, g, beta, *gate_args, scale, lower, length, n_seqs,
+        cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
+        **shape, V=head_v, BV=block_v, **flags, **launch,
     )  # fmt: skip
+    # The chunk states, from this kernel's w, u, kd (no second run of the forward's
+    # prepare kernel).
+    chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
+    scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, offsets, None,
+                torch.empty(n_seqs, value_heads, head_k, head_v, **f32), chunk_states,
+                precision)  # fmt: skip
+    del u, chunk_decay
 
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
     dstates = torch.empty_like(chunk_states)
