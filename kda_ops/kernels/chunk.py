@@ -17,9 +17,11 @@ Decay ratios exp(G_i - G_j) between blocks are split at block boundaries into fa
 at most 1 (row side decayed from its block's start, column side to its block's end, and
 the gap between the two blocks). Inside a diagonal block, with the safe gate
 (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
-most e^80 (inside fp32 and bf16 range) and the block is one dense dot; any other gate,
-and fp16, splits the block's pairs dyadically (four levels of two dots, every factor at
-most 1; ``diagonal_block``).
+most e^80 (inside fp32 and bf16 range) and the block is one dense dot. Any other gate
+(and fp16) checks each chunk first: when every block of it decays by at most e^80 (e^10
+for fp16) in every channel, as real gates mostly do, the chunk takes the same dense dots;
+otherwise its blocks' pairs are split dyadically (four levels of two dots, every factor
+at most 1; ``diagonal_block``).
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -192,6 +194,17 @@ def dyadic_level(level: tl.constexpr, decay, CUMULATIVE: tl.constexpr):
 
 
 @triton.jit
+def dense_decay_limit(DOT_DTYPE: tl.constexpr):
+    """The largest in-block log-decay a dense diagonal dot may scale a row up by: e^80
+    stays inside fp32 and bf16 (max ~e^88.7); fp16's max 65504 is ~e^11.1."""
+    if DOT_DTYPE == tl.float16:  # noqa: SIM300 (a constexpr dtype)
+        limit = 10.0
+    else:
+        limit = 80.0
+    return limit
+
+
+@triton.jit
 def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
                    SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    CUMULATIVE: tl.constexpr):  # fmt: skip
@@ -338,8 +351,78 @@ def chunk_prepare_kernel(
     if remaining <= 0:
         return
     offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
     mask_k = offs_k < K
+    if SAFE_GATE:
+        dense = True
+    else:
+        # Real gates mostly decay by far less than e^80 a block: such a chunk takes the
+        # dense diagonal dots. One branch for the whole chunk, so that each path compiles
+        # as a whole (a branch per block made ptxas spill both).
+        dense = _chunk_fits_dense(g, A_log, dt_bias, lower_bound, start, remaining, i_hv, offs_k,
+                                  mask_k, dense_decay_limit(qg.dtype.element_ty), HV, K, BK,
+                                  SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    # fmt: off
+    if dense:
+        _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
+                       i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K, V, BK, BV,
+                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True, USE_L2NORM,
+                       USE_BETA_SIGMOID, DOT_PRECISION)
+    else:
+        _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
+                       i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K, V, BK, BV,
+                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False, USE_L2NORM,
+                       USE_BETA_SIGMOID, DOT_PRECISION)
+    # fmt: on
+
+
+@triton.jit
+def _chunk_fits_dense(g, A_log, dt_bias, lower_bound, start, remaining, i_hv, offs_k, mask_k,
+                      limit, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                      HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Whether every row block of the chunk decays by at most e^limit in every channel."""
+    least = tl.zeros([BK], dtype=tl.float32)
+    for i_b in tl.static_range(4):
+        least = tl.minimum(least, _block_decay(g, A_log, dt_bias, lower_bound, start, remaining,
+                                               i_b, i_hv, offs_k, mask_k, HV, K, BK,
+                                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+                                               USE_LOWER_BOUND))  # fmt: skip
+    return tl.min(least, axis=0) >= -limit
+
+
+@triton.jit
+def _block_decay(g, A_log, dt_bias, lower_bound, start, remaining, i_b, i_hv, offs_k, mask_k,
+                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                 USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Row block i_b's total log-decay per channel, [BK] fp32 (<= 0)."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    if SCALAR_GATE:
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    else:
+        raw_g = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
+                        mask=in_seq[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    b_g = _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K,
+                         BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    return tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
+                   i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr,
+                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
+                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The prepare kernel's work on one chunk and value head (see the module docstring);
+    ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot."""
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
     sub = tl.arange(0, BLOCK)
     # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * 64 + j) * BLOCK.

@@ -57,6 +57,19 @@ def test_large_decays_inside_a_block(variant):
     assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
 
 
+def test_dense_and_dyadic_chunks_in_one_launch():
+    """Without the safe gate each chunk checks its decays: within e^80 a block it takes
+    the dense diagonal dots, else the dyadic split. Decays of ~10 per token in the first
+    chunk only (the dense dots would overflow there) and ordinary ones after."""
+    shift = torch.zeros(150, 1, 1)
+    shift[:64] = 10.0
+    (o, state), (o_ref, state_ref) = run("softplus_gate", gate_shift=shift, length=150,
+                                         heads=1, value_heads=2, head_k=16, head_v=16)  # fmt: skip
+    assert o.isfinite().all() and state.isfinite().all()
+    assert relative_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
+
+
 def test_varlen_gva_and_padded_head_dims():
     cu_seqlens = torch.tensor([0, 1, 70, 150], device=DEVICE, dtype=torch.int32)
     (o, state), (o_ref, state_ref) = run(
