@@ -36,8 +36,7 @@ def _(x, weight, bias, initial_state, cu_seqlens, activation):
     return x.new_empty(x.shape), state
 
 
-@torch.library.custom_op("kda::causal_conv1d_backward", mutates_args=())
-def causal_conv1d_backward_op(
+def causal_conv1d_backward_reference(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -54,6 +53,11 @@ def causal_conv1d_backward_op(
 
     primals = (x, weight, bias, initial_state)
     return reference.vjp(forward, primals, (grad_y, grad_final_state))
+
+
+causal_conv1d_backward_op = torch.library.custom_op("kda::causal_conv1d_backward", mutates_args=())(
+    causal_conv1d_backward_reference
+)
 
 
 @causal_conv1d_backward_op.register_fake
@@ -113,7 +117,7 @@ def _(x, conv_state, weight, bias, state_indices, activation):
 
 
 if kernels.AVAILABLE:
-    from kda_ops.kernels.conv import launch_causal_conv1d
+    from kda_ops.kernels.conv import launch_causal_conv1d, launch_causal_conv1d_backward
 
     def _uses_reference(*tensors: Optional[Tensor]) -> bool:
         """The kernels compute in fp32; fp64 is the oracle's."""
@@ -130,6 +134,13 @@ if kernels.AVAILABLE:
             x, weight, bias, initial_state, state, None, cu_seqlens, activation
         )
         return y, state
+
+    @causal_conv1d_backward_op.register_kernel("cuda")
+    def _(x, weight, bias, initial_state, cu_seqlens, grad_y, grad_final_state, activation):
+        args = (x, weight, bias, initial_state, cu_seqlens, grad_y, grad_final_state, activation)
+        if _uses_reference(x, weight, bias, initial_state):
+            return causal_conv1d_backward_reference(*args)
+        return launch_causal_conv1d_backward(*args)
 
     @causal_conv1d_update_inplace_op.register_kernel("cuda")
     def _(x, conv_state, weight, bias, state_indices, activation):

@@ -22,16 +22,20 @@ def _(x, gate, weight, eps, activation):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kda::gated_rms_norm_backward", mutates_args=())
-def gated_rms_norm_backward_op(
+def gated_rms_norm_backward_reference(
     x: Tensor, gate: Tensor, weight: Tensor, grad_out: Tensor, eps: float, activation: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for (x, gate, weight)."""
+    """Gradients for (x, gate, weight), by autograd through the reference."""
 
     def forward(x: Tensor, gate: Tensor, weight: Tensor) -> Tensor:
         return reference.gated_rms_norm(x, gate, weight, eps, activation)
 
     return reference.vjp(forward, (x, gate, weight), (grad_out,))
+
+
+gated_rms_norm_backward_op = torch.library.custom_op(
+    "kda::gated_rms_norm_backward", mutates_args=()
+)(gated_rms_norm_backward_reference)
 
 
 @gated_rms_norm_backward_op.register_fake
@@ -52,13 +56,20 @@ def _backward(ctx, grad_out: Tensor):
 gated_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 if kernels.AVAILABLE:
-    from kda_ops.kernels.gated_norm import launch_gated_rms_norm
+    from kda_ops.kernels.gated_norm import launch_gated_rms_norm, launch_gated_rms_norm_backward
 
     @gated_rms_norm_op.register_kernel("cuda")
     def _(x, gate, weight, eps, activation):
         if x.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
             return reference.gated_rms_norm(x, gate, weight, eps, activation)
         return launch_gated_rms_norm(x, gate, weight, eps, activation)
+
+    @gated_rms_norm_backward_op.register_kernel("cuda")
+    def _(x, gate, weight, grad_out, eps, activation):
+        args = (x, gate, weight, grad_out, eps, activation)
+        if x.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+            return gated_rms_norm_backward_reference(*args)
+        return launch_gated_rms_norm_backward(*args)
 
 
 def gated_rms_norm(

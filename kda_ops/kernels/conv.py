@@ -9,6 +9,12 @@ before the sequence (or before the end, for the final state). With ``state_indic
 state is a pool and sequence n uses slot ``state_indices[n]`` (negative: padding, no
 history and no write); the output kernel runs before the state kernel, so reading and
 rewriting the same slot is safe.
+
+Backward (functional op, fp32): ``conv_grad_z_kernel`` recomputes the pre-activation z
+and writes dz = dy · act'(z) with its programs' shares of dweight and dbias;
+``conv_grad_x_kernel`` gathers dx from the W later dz of the same sequence and the final
+state's gradient; ``conv_grad_state_kernel`` does the same for the initial state's
+entries.
 """
 
 from typing import Optional
@@ -78,6 +84,144 @@ def causal_conv1d_kernel(
         acc = acc * tl.sigmoid(acc)
     mask = valid[:, None] & mask_d[None, :]
     tl.store(y + tokens[:, None] * D + cols[None, :], acc.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sequence_span(seq, bos, valid, cu_seqlens, length, IS_VARLEN: tl.constexpr):
+    """Length of each row's sequence (int64), from ``_sequence_bounds``' sequence ids."""
+    if IS_VARLEN:
+        eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
+        span = eos - bos
+    else:
+        span = tl.zeros_like(bos) + length
+    return span
+
+
+@triton.jit
+def conv_grad_z_kernel(
+    x, weight, bias, state, cu_seqlens, grad_y, length, n_seqs, grad_z, dweight_parts,
+    dbias_parts,
+    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    """dz = dy · act'(z) (fp32, x's layout), z recomputed as ``causal_conv1d_kernel`` does;
+    this program's shares of dweight (``[programs, D, BW]``, taps first W) and dbias
+    (``[programs, D]``), the program numbered over (token block, batch)."""
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_t * BT + tl.arange(0, BT)
+    cols = i_d * BD + tl.arange(0, BD)
+    mask_d = cols < D
+    seq, bos, valid = _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN, IS_VARLEN)
+    tokens = rows.to(tl.int64) + (0 if IS_VARLEN else i_b.to(tl.int64) * length)
+    position = tokens - bos
+    mask = valid[:, None] & mask_d[None, :]
+    taps = tl.arange(0, BW)
+    z = tl.zeros([BT, BD], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        source = position - (W - 1 - tap)
+        b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
+                            cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+        z += b_x * tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    offsets = tokens[:, None] * D + cols[None, :]
+    b_dz = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SILU:  # silu'(z) = σ(z) (1 + z (1 - σ(z)))
+        sig = tl.sigmoid(z)
+        b_dz = b_dz * sig * (1.0 + z * (1.0 - sig))
+    tl.store(grad_z + offsets, b_dz, mask=mask)
+    part = i_b * tl.num_programs(0) + i_t
+    shares = tl.zeros([BD, BW], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        source = position - (W - 1 - tap)
+        b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
+                            cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+        shares += tl.where(taps[None, :] == tap, tl.sum(b_dz * b_x, axis=0)[:, None], 0.0)
+    tl.store(dweight_parts + (part * D + cols[:, None]) * BW + taps[None, :], shares,
+             mask=mask_d[:, None])  # fmt: skip
+    if HAS_BIAS:
+        tl.store(dbias_parts + part * D + cols, tl.sum(b_dz, axis=0), mask=mask_d)
+
+
+@triton.jit
+def _window_input(x, state, token, source, slot, valid, cols, mask_d, D: tl.constexpr,
+                  W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
+    """The input at sequence position ``source`` of each row ([BT, BD] fp32): x's token
+    for source >= 0, the state's entry ``W - 1 + source`` before the start, else 0."""
+    in_x = (valid & (source >= 0))[:, None] & mask_d[None, :]
+    b_x = tl.load(x + token[:, None] * D + cols[None, :], mask=in_x, other=0.0).to(tl.float32)
+    if HAS_STATE:
+        in_state = (valid & (source < 0) & (source >= -(W - 1)))[:, None] & mask_d[None, :]
+        offsets = (slot[:, None] * D + cols[None, :]) * (W - 1) + (W - 1 + source)[:, None]
+        b_x += tl.load(state + offsets, mask=in_state, other=0.0).to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _gathered_grad(grad_z, weight, grad_final, position, span, first, seq, valid, cols,
+                   mask_d, D: tl.constexpr, W: tl.constexpr):  # fmt: skip
+    """Gradient of the inputs at sequence positions ``position`` ([BT] int64, may be
+    negative: the state's entries), [BT, BD] fp32: Σ_tap w_tap dz at position +
+    W - 1 - tap inside the sequence (token ``first + that``), plus the final state's
+    gradient where the position is one it keeps."""
+    acc = tl.zeros([position.shape[0], cols.shape[0]], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        target = position + (W - 1 - tap)
+        inside = (valid & (target >= 0) & (target < span))[:, None] & mask_d[None, :]
+        b_dz = tl.load(grad_z + (first + target)[:, None] * D + cols[None, :], mask=inside,
+                       other=0.0)  # fmt: skip
+        acc += b_dz * tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
+    entry = position - span + (W - 1)  # the final state's entry keeping this position
+    kept = (valid & (entry >= 0) & (entry < W - 1))[:, None] & mask_d[None, :]
+    acc += tl.load(grad_final + (seq.to(tl.int64)[:, None] * D + cols[None, :]) * (W - 1)
+                   + entry[:, None], mask=kept, other=0.0)  # fmt: skip
+    return acc
+
+
+@triton.jit
+def conv_grad_x_kernel(
+    grad_z, weight, grad_final, cu_seqlens, length, n_seqs, dx,
+    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """dx of x's tokens (x's dtype) from dz and the final state's gradient."""
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_t * BT + tl.arange(0, BT)
+    cols = i_d * BD + tl.arange(0, BD)
+    mask_d = cols < D
+    seq, bos, valid = _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN, IS_VARLEN)
+    tokens = rows.to(tl.int64) + (0 if IS_VARLEN else i_b.to(tl.int64) * length)
+    span = _sequence_span(seq, bos, valid, cu_seqlens, length, IS_VARLEN)
+    b_dx = _gathered_grad(grad_z, weight, grad_final, tokens - bos, span, bos, seq, valid,
+                          cols, mask_d, D, W)  # fmt: skip
+    tl.store(dx + tokens[:, None] * D + cols[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=valid[:, None] & mask_d[None, :])  # fmt: skip
+
+
+@triton.jit
+def conv_grad_state_kernel(
+    grad_z, weight, grad_final, cu_seqlens, length, d_state,
+    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """The initial state's gradient (its dtype), entry e standing for position e - (W - 1)."""
+    i_n, i_d = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        span = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * length
+        span = i_n.to(tl.int64) * 0 + length
+    cols = i_d * BD + tl.arange(0, BD)
+    mask_d = cols < D
+    entries = tl.arange(0, BW)
+    valid = entries < W - 1
+    seq = entries * 0 + i_n
+    b_ds = _gathered_grad(grad_z, weight, grad_final, (entries - (W - 1)).to(tl.int64),
+                          span + entries * 0, bos, seq, valid, cols, mask_d, D, W)  # fmt: skip
+    tl.store(d_state + (i_n.to(tl.int64) * D + cols[None, :]) * (W - 1) + entries[:, None],
+             b_ds.to(d_state.dtype.element_ty), mask=valid[:, None] & mask_d[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -353,3 +497,57 @@ def launch_causal_conv1d(
         D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width - 1), **flags,
     )  # fmt: skip
     return y
+
+
+def launch_causal_conv1d_backward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    grad_y: Tensor,
+    grad_final_state: Tensor,
+    activation: Optional[str],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the functional ``launch_causal_conv1d`` for (x, weight, bias,
+    initial_state), each in its input's dtype and shape (an absent optional: an empty
+    tensor), given grad_y (x's shape) and the final state's gradient ``[N, D, W - 1]``.
+    Scratch: dz (fp32, x's shape) and per-program fp32 shares of dweight and dbias."""
+    x, weight = x.contiguous(), weight.contiguous()
+    grad_y = grad_y.contiguous()
+    grad_final_state = grad_final_state.to(torch.float32).contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    block_t = min(64, triton.next_power_of_2(max(length, 1)))
+    block_d = min(128, triton.next_power_of_2(channels))
+    block_w = triton.next_power_of_2(width)
+    grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
+    programs = grid[0] * grid[2]
+    grad_z = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    dweight_parts = torch.empty(programs, channels, block_w, device=x.device,
+                                dtype=torch.float32)  # fmt: skip
+    dbias_parts = torch.empty(programs, channels, device=x.device, dtype=torch.float32)
+    shape = dict(D=channels, W=width, BD=block_d, IS_VARLEN=cu_seqlens is not None)
+    seqs = dict(BT=block_t, BN=triton.next_power_of_2(n_seqs))
+    conv_grad_z_kernel[grid](
+        x, weight, bias, initial_state, cu_seqlens, grad_y, length, n_seqs, grad_z,
+        dweight_parts, dbias_parts, **shape, **seqs, BW=block_w, HAS_BIAS=bias is not None,
+        HAS_STATE=initial_state is not None, SILU=activation == "silu",
+    )  # fmt: skip
+    dx = torch.empty_like(x)
+    conv_grad_x_kernel[grid](
+        grad_z, weight, grad_final_state, cu_seqlens, length, n_seqs, dx, **shape, **seqs
+    )
+    d_state = x.new_empty(0)
+    if initial_state is not None:
+        d_state = torch.empty_like(initial_state)
+        conv_grad_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
+            grad_z, weight, grad_final_state, cu_seqlens, length, d_state, **shape,
+            BW=triton.next_power_of_2(width - 1),
+        )  # fmt: skip
+    dweight = dweight_parts[..., :width].sum(0).to(weight.dtype)
+    dbias = x.new_empty(0) if bias is None else dbias_parts.sum(0).to(bias.dtype)
+    return dx, dweight, dbias, d_state

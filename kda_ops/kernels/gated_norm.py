@@ -1,4 +1,5 @@
-"""Gated RMSNorm: ``rmsnorm(x) * weight * act(gate)`` over rows, one pass in fp32."""
+"""Gated RMSNorm: ``rmsnorm(x) * weight * act(gate)`` over rows, one pass in fp32, and its
+backward, one pass too (the weight's gradient as per-program partial sums)."""
 
 import torch
 import triton
@@ -28,18 +29,78 @@ def gated_rms_norm_kernel(
     tl.store(y + offsets, b_y.to(y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def gated_rms_norm_backward_kernel(
+    x, gate, weight, grad_y, eps, n_rows, dx, dgate, dweight_parts,
+    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    """With x̂ = x · rstd and u = dy · w · act(gate) (the gradient of x̂):
+    ``dx = rstd (u - x̂ mean(u x̂))``, ``dgate = dy x̂ w act'(gate)``, and this program's
+    rows' share of ``dweight = Σ_rows dy x̂ act(gate)`` at row ``program_id`` of
+    ``dweight_parts`` ``[programs, D]`` fp32."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BD)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    b_x = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    b_gate = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
+    b_dy = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
+    b_w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    x_hat = b_x * rstd[:, None]
+    sig = tl.sigmoid(b_gate)
+    if SILU:  # act = g σ(g), act' = σ(g) (1 + g (1 - σ(g)))
+        activated = b_gate * sig
+        slope = sig * (1.0 + b_gate * (1.0 - sig))
+    else:
+        activated = sig
+        slope = sig * (1.0 - sig)
+    d_hat = b_dy * b_w[None, :] * activated
+    b_dx = rstd[:, None] * (d_hat - x_hat * (tl.sum(d_hat * x_hat, axis=1) / D)[:, None])
+    tl.store(dx + offsets, b_dx.to(dx.dtype.element_ty), mask=mask)
+    b_dgate = b_dy * x_hat * b_w[None, :] * slope
+    tl.store(dgate + offsets, b_dgate.to(dgate.dtype.element_ty), mask=mask)
+    tl.store(dweight_parts + tl.program_id(0) * D + cols, tl.sum(b_dy * x_hat * activated, axis=0),
+             mask=cols < D)  # fmt: skip
+
+
+def _row_blocks(x: Tensor) -> dict[str, int]:
+    """Rows, padded width and rows per program of ``x [..., D]`` for both kernels."""
+    width = x.shape[-1]
+    block_d = triton.next_power_of_2(width)
+    return dict(n_rows=x.numel() // width if width else 0, D=width, BD=block_d,
+                ROWS=max(1, ROW_BLOCK_ELEMENTS // block_d))  # fmt: skip
+
+
 def launch_gated_rms_norm(
     x: Tensor, gate: Tensor, weight: Tensor, eps: float, activation: str
 ) -> Tensor:
     """x, gate ``[..., D]``; weight ``[D]`` -> y of x's shape and dtype."""
     x, gate = x.contiguous(), gate.contiguous()
     y = torch.empty_like(x)
-    width = x.shape[-1]
-    n_rows = x.numel() // width if width else 0
-    block_d = triton.next_power_of_2(width)
-    rows = max(1, ROW_BLOCK_ELEMENTS // block_d)
-    gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+    shape = _row_blocks(x)
+    n_rows = shape.pop("n_rows")
+    gated_rms_norm_kernel[(triton.cdiv(n_rows, shape["ROWS"]),)](
         x, gate, weight, eps, n_rows, y,
-        D=width, BD=block_d, ROWS=rows, SILU=activation == "silu", num_warps=NUM_WARPS,
+        **shape, SILU=activation == "silu", num_warps=NUM_WARPS,
     )  # fmt: skip
     return y
+
+
+def launch_gated_rms_norm_backward(
+    x: Tensor, gate: Tensor, weight: Tensor, grad_y: Tensor, eps: float, activation: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``launch_gated_rms_norm`` for (x, gate, weight) given grad_y (x's
+    shape), each in its input's dtype; the weight's summed in fp32 from per-program
+    shares ``[programs, D]``."""
+    x, gate, grad_y = x.contiguous(), gate.contiguous(), grad_y.contiguous()
+    dx, dgate = torch.empty_like(x), torch.empty_like(gate)
+    shape = _row_blocks(x)
+    n_rows = shape.pop("n_rows")
+    programs = triton.cdiv(n_rows, shape["ROWS"])
+    dweight_parts = torch.empty(programs, shape["D"], device=x.device, dtype=torch.float32)
+    gated_rms_norm_backward_kernel[(programs,)](
+        x, gate, weight, grad_y, eps, n_rows, dx, dgate, dweight_parts,
+        **shape, SILU=activation == "silu", num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return dx, dgate, dweight_parts.sum(0).to(weight.dtype)

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.kernels.conv import launch_causal_conv1d
+from kda_ops.conv import causal_conv1d_backward_reference
+from kda_ops.gated_norm import gated_rms_norm_backward_reference
+from kda_ops.kernels.conv import launch_causal_conv1d, launch_causal_conv1d_backward
 from kda_ops.kernels.gate import launch_kda_gate
-from kda_ops.kernels.gated_norm import launch_gated_rms_norm
+from kda_ops.kernels.gated_norm import launch_gated_rms_norm, launch_gated_rms_norm_backward
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
 
 
@@ -22,6 +24,23 @@ def test_gated_rms_norm(dtype, activation, width):
     )
     assert y.dtype == dtype
     assert relative_error(y, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("width", [10, 128])
+def test_gated_rms_norm_backward(dtype, activation, width):
+    """dx, dgate, dweight against autograd through the float64 reference; 21 rows, so the
+    last program's block is partly empty and several weight shares are summed."""
+    x, gate, grad_y = torch.randn(3, 3, 7, width, device=DEVICE, dtype=dtype).unbind(0)
+    weight = torch.randn(width, device=DEVICE)
+    grads = launch_gated_rms_norm_backward(x, gate, weight, grad_y, 1e-5, activation)
+    expected = gated_rms_norm_backward_reference(
+        x.double(), gate.double(), weight.double(), grad_y.double(), 1e-5, activation
+    )
+    for name, got, want, like in zip(("x", "gate", "weight"), grads, expected, (x, gate, weight)):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        assert relative_error(got, want) < TOLERANCE[dtype], name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,6 +84,48 @@ def test_causal_conv1d_varlen():
     y_ref, state_ref = reference.causal_conv1d(x, weight, None, initial, cu_seqlens, "identity")
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(state, state_ref)
+
+
+CONV_GRADS = ("x", "weight", "bias", "initial_state")
+
+
+def check_conv_backward(x, weight, bias, initial, cu_seqlens, activation, dtype):
+    """Kernel gradients against autograd through the float64 reference, for random
+    cotangents of y and of the final state."""
+    n_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    grad_y = torch.randn_like(x)
+    grad_final = torch.randn(n_seqs, x.shape[2], weight.shape[1] - 1, device=DEVICE)
+    primals = (x, weight, bias, initial)
+    got = launch_causal_conv1d_backward(*primals, cu_seqlens, grad_y, grad_final, activation)
+    double = tuple(None if p is None else p.double() for p in primals)
+    expected = causal_conv1d_backward_reference(*double, cu_seqlens, grad_y.double(),
+                                                grad_final.double(), activation)  # fmt: skip
+    for name, primal, grad, want in zip(CONV_GRADS, primals, got, expected):
+        if primal is None:
+            assert grad.numel() == 0, name
+            continue
+        assert grad.dtype == primal.dtype and grad.shape == primal.shape, name
+        assert relative_error(grad, want) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [1, 3, 70])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize(("width", "activation"), [(2, "identity"), (4, "silu")])
+def test_causal_conv1d_backward(dtype, length, with_state, width, activation):
+    """Sequences shorter than the window (1, 3 < W - 1 = 3 for W = 4 at 1) pass the final
+    state's gradient back to the initial state's entries."""
+    x, weight, bias = conv_inputs(dtype, 2, length, width=width)
+    initial = torch.randn(2, 10, width - 1, device=DEVICE, dtype=dtype) if with_state else None
+    check_conv_backward(x, weight, bias, initial, None, activation, dtype)
+
+
+def test_causal_conv1d_backward_varlen():
+    x, weight, bias = conv_inputs(torch.float32, 1, 41)
+    cu_seqlens = torch.tensor([0, 2, 3, 40, 41], device=DEVICE)
+    initial = torch.randn(4, 10, 3, device=DEVICE)
+    check_conv_backward(x, weight, None, initial, cu_seqlens, "silu", torch.float32)
+    check_conv_backward(x, weight, bias, None, cu_seqlens, "identity", torch.float32)
 
 
 @pytest.mark.parametrize("length", [1, 2])
