@@ -135,7 +135,7 @@ def main() -> None:
     counts = [2, 4] if args.quick else [4, 8, 16]
     report(
         "In-device context parallelism: one long sequence vs a batch (ratio = ours / FLA)",
-        [lambda: run(length, args.split, args.heads, args.dim, counts)],
+        {"cp": lambda: run(length, args.split, args.heads, args.dim, counts)},
         args.json,
     )
 

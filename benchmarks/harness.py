@@ -67,16 +67,17 @@ def copy_bandwidth_tbs(nbytes: int = 2**31) -> float:
     return nbytes / time_ms(lambda: dst.copy_(src)) / 1e9
 
 
-def report(title: str, benches, path: str | None = None) -> list[Row]:
-    """Runs each benchmark (a callable returning rows) and prints its rows as they come."""
+def report(title: str, benches: dict, path: str | None = None) -> list[Row]:
+    """Runs each benchmark (name -> a callable returning rows) and prints its rows as they
+    come; a failing one prints its name and error and the others still run."""
     print(f"\n### {title}\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(HEADER, flush=True)
     rows = []
-    for bench in benches:
+    for name, bench in benches.items():
         try:
             bench_rows = bench()
         except Exception as error:  # one failing case should not cost a run's other rows
-            print(f"| {getattr(bench, '__name__', bench)} failed: {error!r} | | | | | |")
+            print(f"| {name} failed: {error!r} | | | | | |", flush=True)
             continue
         for row in bench_rows:
             print(row.format(), flush=True)

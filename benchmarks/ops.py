@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(BENCHES), help="a subset, in order")
     args = parser.parse_args()
     print(f"copy bandwidth: {copy_bandwidth_tbs():.2f} TB/s", flush=True)
-    benches = [BENCHES[name] for name in args.only or BENCHES]
+    benches = {name: BENCHES[name] for name in args.only or BENCHES}
     report("kda-ops kernels vs flash-linear-attention 0.6.0", benches, args.json)
 
 
