@@ -208,6 +208,23 @@ def test_chunk_states_against_float64_reference(varlen):
     assert relative_error(final, final_ref) < 5e-3
 
 
+def assert_at_least_as_accurate_as_fla(ours, fla, reference):
+    """``ours``, ``fla``, ``reference``: (output, final state) pairs, the last in float64.
+
+    Both bf16 results sit ~4e-3 (relative RMSE) from float64 with independent rounding, so
+    they differ from each other by about sqrt(2) of that: a bound on ours-vs-FLA would test
+    that noise. The float64 reference says who is off: ours within FLA's 5e-3 of it, and
+    no further from it than FLA is (10 % margin for the random inputs)."""
+    errors = {
+        "ours-vs-fp64": [relative_error(a, b) for a, b in zip(ours, reference)],
+        "fla-vs-fp64": [relative_error(a, b) for a, b in zip(fla, reference)],
+        "ours-vs-fla": [relative_error(a, b) for a, b in zip(ours, fla)],
+    }
+    assert max(errors["ours-vs-fp64"]) < 5e-3, errors
+    for own, peer in zip(errors["ours-vs-fp64"], errors["fla-vs-fp64"]):
+        assert own <= 1.1 * peer, errors
+
+
 @needs_fla
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_chunk_against_fla_long(lower_bound):
@@ -216,21 +233,12 @@ def test_chunk_against_fla_long(lower_bound):
     x, kwargs = chunk_inputs(8192, 96, lower_bound)
     o, final = kda_ops.chunk_kda(**x, **kwargs)
     o_fla, final_fla = fla_chunk_kda(**x, **kwargs)
-    # Where ours and FLA disagree, the float64 reference on two heads says who is off.
+    # The float64 reference on two of the 96 heads.
     heads = {name: t[:, :, :2] if t.dim() >= 3 else t[:2] for name, t in x.items()}
     heads["dt_bias"] = x["dt_bias"][: 2 * 128]
-    o_ref, final_ref = kda_ops.chunk_kda(**float64(heads), **kwargs)
-
-    def against_reference(out, state):
-        return relative_error(out[:, :, :2], o_ref), relative_error(state[:, :2], final_ref)
-
-    errors = {
-        "ours-vs-fla": (relative_error(o, o_fla), relative_error(final, final_fla)),
-        "ours-vs-fp64": against_reference(o, final),
-        "fla-vs-fp64": against_reference(o_fla, final_fla),
-    }
-    assert max(errors["ours-vs-fp64"]) < 5e-3, errors
-    assert max(errors["ours-vs-fla"]) < 5e-3, errors
+    reference = kda_ops.chunk_kda(**float64(heads), **kwargs)
+    assert_at_least_as_accurate_as_fla((o[:, :, :2], final[:, :2]),
+                                       (o_fla[:, :, :2], final_fla[:, :2]), reference)  # fmt: skip
 
 
 @needs_fla
@@ -240,10 +248,11 @@ def test_chunk_against_fla_varlen():
     x, kwargs = chunk_inputs(4096, 16, -5.0)
     cu_seqlens = torch.tensor([0, 100, 300, 1200, 3000, 4096], device="cuda", dtype=torch.int32)
     state = torch.randn(5, 16, 128, 128, device="cuda")
-    o, final = kda_ops.chunk_kda(**x, initial_state=state, cu_seqlens=cu_seqlens, **kwargs)
-    o_fla, final_fla = fla_chunk_kda(**x, initial_state=state, cu_seqlens=cu_seqlens, **kwargs)
-    assert relative_error(o, o_fla) < 5e-3
-    assert relative_error(final, final_fla) < 5e-3
+    kwargs = dict(kwargs, initial_state=state, cu_seqlens=cu_seqlens)
+    ours = kda_ops.chunk_kda(**x, **kwargs)
+    fla = fla_chunk_kda(**x, **kwargs)
+    reference = kda_ops.chunk_kda(**float64(x), **dict(kwargs, initial_state=state.double()))
+    assert_at_least_as_accurate_as_fla(ours, fla, reference)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
