@@ -12,10 +12,9 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def gated_rms_norm_kernel(
-    x, gate, weight, eps, n_rows, y,
-    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
-):  # fmt: skip
+def _load_rows(x, gate, weight, eps, n_rows, D: tl.constexpr, BD: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
+    """This program's rows: (offsets, mask, x, gate, weight, rstd), fp32 values."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -24,6 +23,15 @@ def gated_rms_norm_kernel(
     b_gate = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
     b_w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    return offsets, mask, b_x, b_gate, b_w, rstd
+
+
+@triton.jit
+def gated_rms_norm_kernel(
+    x, gate, weight, eps, n_rows, y,
+    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(x, gate, weight, eps, n_rows, D, BD, ROWS)
     activated = b_gate * tl.sigmoid(b_gate) if SILU else tl.sigmoid(b_gate)
     b_y = b_x * rstd[:, None] * b_w[None, :] * activated
     tl.store(y + offsets, b_y.to(y.dtype.element_ty), mask=mask)
@@ -38,15 +46,8 @@ def gated_rms_norm_backward_kernel(
     ``dx = rstd (u - x̂ mean(u x̂))``, ``dgate = dy x̂ w act'(gate)``, and this program's
     rows' share of ``dweight = Σ_rows dy x̂ act(gate)`` at row ``program_id`` of
     ``dweight_parts`` ``[programs, D]`` fp32."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BD)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    b_x = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
-    b_gate = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
+    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(x, gate, weight, eps, n_rows, D, BD, ROWS)
     b_dy = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
-    b_w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
     x_hat = b_x * rstd[:, None]
     sig = tl.sigmoid(b_gate)
     if SILU:  # act = g σ(g), act' = σ(g) (1 + g (1 - σ(g)))
@@ -60,6 +61,7 @@ def gated_rms_norm_backward_kernel(
     tl.store(dx + offsets, b_dx.to(dx.dtype.element_ty), mask=mask)
     b_dgate = b_dy * x_hat * b_w[None, :] * slope
     tl.store(dgate + offsets, b_dgate.to(dgate.dtype.element_ty), mask=mask)
+    cols = tl.arange(0, BD)
     tl.store(dweight_parts + tl.program_id(0) * D + cols, tl.sum(b_dy * x_hat * activated, axis=0),
              mask=cols < D)  # fmt: skip
 
