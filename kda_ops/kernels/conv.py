@@ -26,18 +26,27 @@ from torch import Tensor
 
 
 @triton.jit
-def _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):  # fmt: skip
-    """For token rows of one program: (sequence id, first token, valid) per row."""
+def _token_block(cu_seqlens, n_seqs, length, D: tl.constexpr, BT: tl.constexpr,
+                 BD: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+    """This program's tile, the program being (token block, channel block, batch): its
+    channels and their mask ([BD]), and per row ([BT]) the token's global index (int64),
+    sequence id, the sequence's first token (int64) and whether the row is a token."""
+    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_t * BT + tl.arange(0, BT)
+    cols = i_d * BD + tl.arange(0, BD)
     if IS_VARLEN:
         seq_ids = tl.arange(0, BN)
         ends = tl.load(cu_seqlens + 1 + seq_ids, mask=seq_ids < n_seqs, other=2**31 - 1)
         seq = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
         bos = tl.load(cu_seqlens + seq, mask=seq < n_seqs, other=0).to(tl.int64)
         valid = rows < tl.load(cu_seqlens + n_seqs)
-        return seq, bos, valid
-    seq = tl.zeros_like(rows) + i_b
-    return seq, seq.to(tl.int64) * length, rows < length
+        tokens = rows.to(tl.int64)
+    else:
+        seq = tl.zeros_like(rows) + i_b
+        bos = seq.to(tl.int64) * length
+        valid = rows < length
+        tokens = rows.to(tl.int64) + i_b.to(tl.int64) * length
+    return cols, cols < D, tokens, seq, bos, valid
 
 
 @triton.jit
@@ -47,12 +56,8 @@ def causal_conv1d_kernel(
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = i_t * BT + tl.arange(0, BT)
-    cols = i_d * BD + tl.arange(0, BD)
-    mask_d = cols < D
-    seq, bos, valid = _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN, IS_VARLEN)
-    tokens = rows.to(tl.int64) + (0 if IS_VARLEN else i_b.to(tl.int64) * length)
+    cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
+                                                         BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
     slot = seq.to(tl.int64)
     has_history = valid
@@ -88,7 +93,7 @@ def causal_conv1d_kernel(
 
 @triton.jit
 def _sequence_span(seq, bos, valid, cu_seqlens, length, IS_VARLEN: tl.constexpr):
-    """Length of each row's sequence (int64), from ``_sequence_bounds``' sequence ids."""
+    """Length of each row's sequence (int64), from ``_token_block``'s sequence ids."""
     if IS_VARLEN:
         eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
         span = eos - bos
@@ -108,12 +113,8 @@ def conv_grad_z_kernel(
     """dz = dy · act'(z) (fp32, x's layout), z recomputed as ``causal_conv1d_kernel`` does;
     this program's shares of dweight (``[programs, D, BW]``, taps first W) and dbias
     (``[programs, D]``), the program numbered over (token block, batch)."""
-    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = i_t * BT + tl.arange(0, BT)
-    cols = i_d * BD + tl.arange(0, BD)
-    mask_d = cols < D
-    seq, bos, valid = _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN, IS_VARLEN)
-    tokens = rows.to(tl.int64) + (0 if IS_VARLEN else i_b.to(tl.int64) * length)
+    cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
+                                                         BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
     mask = valid[:, None] & mask_d[None, :]
     taps = tl.arange(0, BW)
@@ -131,7 +132,7 @@ def conv_grad_z_kernel(
         sig = tl.sigmoid(z)
         b_dz = b_dz * sig * (1.0 + z * (1.0 - sig))
     tl.store(grad_z + offsets, b_dz, mask=mask)
-    part = i_b * tl.num_programs(0) + i_t
+    part = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     shares = tl.zeros([BD, BW], dtype=tl.float32)
     for tap in tl.static_range(W):
         source = position - (W - 1 - tap)
@@ -186,12 +187,8 @@ def conv_grad_x_kernel(
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dx of x's tokens (x's dtype) from dz and the final state's gradient."""
-    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = i_t * BT + tl.arange(0, BT)
-    cols = i_d * BD + tl.arange(0, BD)
-    mask_d = cols < D
-    seq, bos, valid = _sequence_bounds(rows, cu_seqlens, n_seqs, i_b, length, BN, IS_VARLEN)
-    tokens = rows.to(tl.int64) + (0 if IS_VARLEN else i_b.to(tl.int64) * length)
+    cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
+                                                         BN, IS_VARLEN)  # fmt: skip
     span = _sequence_span(seq, bos, valid, cu_seqlens, length, IS_VARLEN)
     b_dx = _gathered_grad(grad_z, weight, grad_final, tokens - bos, span, bos, seq, valid,
                           cols, mask_d, D, W)  # fmt: skip
