@@ -197,6 +197,18 @@ def conv_grad_x_kernel(
 
 
 @triton.jit
+def _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN: tl.constexpr):
+    """Sequence i_n's first token and length (int64 scalars)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        span = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n.to(tl.int64) * length
+        span = i_n.to(tl.int64) * 0 + length
+    return bos, span
+
+
+@triton.jit
 def conv_grad_state_kernel(
     grad_z, weight, grad_final, cu_seqlens, length, d_state,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
@@ -204,12 +216,7 @@ def conv_grad_state_kernel(
 ):  # fmt: skip
     """The initial state's gradient (its dtype), entry e standing for position e - (W - 1)."""
     i_n, i_d = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        span = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * length
-        span = i_n.to(tl.int64) * 0 + length
+    bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
     cols = i_d * BD + tl.arange(0, BD)
     mask_d = cols < D
     entries = tl.arange(0, BW)
@@ -228,11 +235,7 @@ def conv_final_state_kernel(
     HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_n, i_d = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * length
+    bos, length = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
     cols = i_d * BD + tl.arange(0, BD)
     entries = tl.arange(0, BW)
     source = length - (W - 1) + entries  # position of the input each entry keeps
