@@ -124,16 +124,18 @@ def bench_chunk_varlen(heads=96, dim=128) -> Row:
                nbytes)  # fmt: skip
 
 
-def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
+def bench_chunk_backward(heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
     """Training step of one layer: forward + backward of every input (gate, beta and
-    l2norm in the kernel), timed and with the peak memory each allocates."""
+    l2norm in the kernel), timed and with the peak memory each allocates;
+    ``lower_bound=None`` is Kimi Linear's softplus gate."""
     x = kda_inputs(1, length, heads, dim)
+    options = dict(IN_KERNEL, lower_bound=lower_bound)
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
 
     def train_step(chunk_kda):
         def step():
-            o, _ = chunk_kda(**x, **IN_KERNEL)
+            o, _ = chunk_kda(**x, **options)
             return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
 
         return step
@@ -150,7 +152,8 @@ def bench_chunk_backward(heads=64, length=8192, dim=128) -> Row:
     ours, peer = train_step(kda_ops.chunk_kda), train_step(fla_chunk_kda)
     ours_ms, peer_ms = time_ms(ours), time_ms(peer)  # also the warm-up (compile, autotune)
     memory = f"peak GiB ours {peak_gib(ours):.2f} / FLA {peak_gib(peer):.2f}"
-    return Row(f"chunk_kda fwd+bwd B=1 T={length} H={heads} D={dim} bf16, {memory}",
+    gate = ", softplus gate" if lower_bound is None else ""
+    return Row(f"chunk_kda fwd+bwd B=1 T={length} H={heads} D={dim} bf16{gate}, {memory}",
                ours_ms, peer_ms)  # fmt: skip
 
 
@@ -161,6 +164,7 @@ BENCHES = {
     "chunk32_softplus": lambda: [bench_chunk(32, lower_bound=None)],  # ... and its gate
     "chunk_varlen": lambda: [bench_chunk_varlen()],
     "chunk_backward": lambda: [bench_chunk_backward()],
+    "chunk_backward_softplus": lambda: [bench_chunk_backward(lower_bound=None)],
     "decode": bench_decode,
     "norm": bench_gated_norm,
     "conv": bench_conv_update,
