@@ -105,6 +105,19 @@ def inverse_unit_lower(a):
 
 
 @triton.jit
+def _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV: tl.constexpr, K: tl.constexpr,
+                   SCALAR_GATE: tl.constexpr):  # fmt: skip
+    """Raw gate rows of ``tokens`` in g's dtype, zero past the sequence's end: ``[R, BK]``,
+    or ``[R]`` for a scalar gate."""
+    if SCALAR_GATE:
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    else:
+        raw_g = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
+                        mask=in_seq[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    return raw_g
+
+
+@triton.jit
 def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask_k, offs_v,
                 mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 SCALAR_GATE: tl.constexpr):  # fmt: skip
@@ -117,10 +130,7 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
     in_seq = i_b * BLOCK + sub < remaining
     mask = in_seq[:, None] & mask_k[None, :]
     value_rows = (tokens * HV + i_hv)[:, None]
-    if SCALAR_GATE:
-        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
-    else:
-        raw_g = tl.load(g + value_rows * K + offs_k[None, :], mask=mask, other=0.0)
+    raw_g = _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV, K, SCALAR_GATE)
     key_rows = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
     r_q = tl.load(q + key_rows, mask=mask, other=0.0)
     r_k = tl.load(k + key_rows, mask=mask, other=0.0)
@@ -399,11 +409,7 @@ def _block_decay(g, A_log, dt_bias, lower_bound, start, remaining, i_b, i_hv, of
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    if SCALAR_GATE:
-        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
-    else:
-        raw_g = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
-                        mask=in_seq[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    raw_g = _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV, K, SCALAR_GATE)
     b_g = _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K,
                          BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     return tl.sum(b_g, axis=0)
