@@ -423,6 +423,13 @@ def conv_step_w4_kernel(
     tl.store(slot_out + values + 16, c, mask=kept)
 
 
+def _tile_sizes(length: int, channels: int) -> tuple[int, int]:
+    """(BT, BD): tokens and channels of a program's tile (``_token_block``) in the prefill
+    and backward kernels."""
+    block_t = min(64, triton.next_power_of_2(max(length, 1)))
+    return block_t, min(128, triton.next_power_of_2(channels))
+
+
 def _launch_step(
     x: Tensor,
     weight: Tensor,
@@ -483,8 +490,7 @@ def launch_causal_conv1d(
         flags.update(HAS_BIAS=bias is not None, SILU=activation == "silu")
         _launch_step(x, weight, bias, state_in, state_out, state_indices, y, flags)
         return y
-    block_t = min(64, triton.next_power_of_2(max(length, 1)))
-    block_d = min(128, triton.next_power_of_2(channels))
+    block_t, block_d = _tile_sizes(length, channels)
     flags["IS_VARLEN"] = cu_seqlens is not None
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     causal_conv1d_kernel[grid](
@@ -521,8 +527,7 @@ def launch_causal_conv1d_backward(
     batch, length, channels = x.shape
     width = weight.shape[1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    block_t = min(64, triton.next_power_of_2(max(length, 1)))
-    block_d = min(128, triton.next_power_of_2(channels))
+    block_t, block_d = _tile_sizes(length, channels)
     block_w = triton.next_power_of_2(width)
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     programs = grid[0] * grid[2]
