@@ -239,6 +239,10 @@ def test_chunk_against_fla_long(lower_bound):
     reference = kda_ops.chunk_kda(**float64(heads), **kwargs)
     assert_at_least_as_accurate_as_fla((o[:, :, :2], final[:, :2]),
                                        (o_fla[:, :, :2], final_fla[:, :2]), reference)  # fmt: skip
+    # Every head: two results each within 5e-3 of the truth are within 1e-2 of each other
+    # (triangle inequality); H200: 5.4e-3 (outputs) and 3.4e-3 (states).
+    assert relative_error(o, o_fla) < 2 * 5e-3
+    assert relative_error(final, final_fla) < 2 * 5e-3
 
 
 @needs_fla
