@@ -248,7 +248,7 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
         SCALAR_GATE=base["SCALAR_GATE"], USE_GATE=base["USE_GATE"],
         HAS_DT_BIAS=base["HAS_DT_BIAS"], USE_LOWER_BOUND=base["USE_LOWER_BOUND"],
         SAFE_GATE=safe, USE_L2NORM=base["USE_L2NORM"], USE_BETA_SIGMOID=base["USE_BETA_SIGMOID"],
-        IS_VARLEN=False, DOT_PRECISION=precision,
+        IS_VARLEN=False, DOT_PRECISION=precision, CHUNKS="all",
     )  # fmt: skip
 
 
@@ -276,7 +276,7 @@ PLUGINS: dict[str, PluginKernel] = {
         inputs=("q", "k", "v", "g", "beta", "A_log", "dt_bias"),
         int_args={"length": lambda s: s["q"][1], "n_seqs": lambda s: s["q"][0]},
         outputs=CHUNK_INTERMEDIATES,
-        absent=("cu_seqlens", "chunk_offsets"),
+        absent=("cu_seqlens", "chunk_offsets", "unbounded"),
         constexprs=_chunk_prepare_constexprs,
         grid=lambda s, c: (chunk_count(s), c["HV"], 1),
         float32_params=("A_log", "dt_bias", "chunk_decay"),

@@ -21,7 +21,13 @@ most e^80 (inside fp32 and bf16 range) and the block is one dense dot. Any other
 (and fp16) checks each chunk first: when every block of it decays by at most e^80 (e^10
 for fp16) in every channel, as real gates mostly do, the chunk takes the same dense dots;
 otherwise its blocks' pairs are split dyadically (four levels of two dots, every factor
-at most 1; ``diagonal_block``).
+at most 1; ``diagonal_block``). The prepare kernel's ``CHUNKS`` picks which chunks a
+launch prepares: ``"all"`` branches per chunk in one launch (the safe gate's only path,
+and TensorRT's plugin); without the safe gate ``launch_chunk_kda`` launches twice,
+``"bounded"`` (the dense chunks; it flags the others in an int8 ``[chunks, HV]``
+buffer) then ``"unbounded"`` (the flagged ones), so that each launch compiles one path:
+one kernel holding both spills (sm_90 SASS, softplus gate, K = 128: 992 bytes of stack
+and 956 local loads / stores, against 376 and 186 for the "bounded" launch).
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -347,12 +353,13 @@ def _store_kd(kd, k_out, decay_after, chunk_decay, start, remaining, i_b, i_hv, 
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
     scale, lower_bound, length, n_seqs,
-    chunk_decay, w, u, qg, kd, aqk,
+    chunk_decay, w, u, qg, kd, aqk, unbounded,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -362,26 +369,30 @@ def chunk_prepare_kernel(
         return
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
+    # Which chunks this launch prepares (``CHUNKS``, module docstring).
     if SAFE_GATE:
         dense = True
+    elif CHUNKS == "unbounded":
+        dense = tl.load(unbounded + i_c * HV + i_hv) == 0
     else:
-        # Real gates mostly decay by far less than e^80 a block: such a chunk takes the
-        # dense diagonal dots. One branch for the whole chunk, so that each path compiles
-        # as a whole (a branch per block made ptxas spill both).
         dense = _chunk_fits_dense(g, A_log, dt_bias, lower_bound, start, remaining, i_hv, offs_k,
                                   mask_k, dense_decay_limit(qg.dtype.element_ty), HV, K, BK,
                                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+        if CHUNKS == "bounded":
+            tl.store(unbounded + i_c * HV + i_hv, (dense == 0).to(tl.int8))
     # fmt: off
     if dense:
-        _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
-                       i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K, V, BK, BV,
-                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True, USE_L2NORM,
-                       USE_BETA_SIGMOID, DOT_PRECISION)
+        if CHUNKS != "unbounded":
+            _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                           remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K,
+                           V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
+                           USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     else:
-        _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
-                       i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K, V, BK, BV,
-                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False, USE_L2NORM,
-                       USE_BETA_SIGMOID, DOT_PRECISION)
+        if CHUNKS != "bounded":
+            _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                           remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K,
+                           V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
+                           USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     # fmt: on
 
 
@@ -661,16 +672,22 @@ def launch_chunk_kda(
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
-    chunk_prepare_kernel[(n_chunks, value_heads)](
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-        scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
-        chunk_decay, w, u, qg, kd, aqk,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-        BN=triton.next_power_of_2(n_seqs), **flags,
-        # No register cap: at 8 warps a 128-register cap fits two programs per SM but
-        # spills, 2688 us against 2178 us uncapped (H200, T = 8192, H = 96, bf16).
-        num_warps=4 if block_k <= 64 else 8,
-    )  # fmt: skip
+    if flags["SAFE_GATE"]:
+        passes, unbounded = ("all",), None
+    else:
+        passes = ("bounded", "unbounded")
+        unbounded = torch.empty(n_chunks, value_heads, device=q.device, dtype=torch.int8)
+    for chunks in passes:
+        chunk_prepare_kernel[(n_chunks, value_heads)](
+            q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+            scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
+            chunk_decay, w, u, qg, kd, aqk, unbounded,
+            H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+            BN=triton.next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
+            # No register cap: at 8 warps a 128-register cap fits two programs per SM but
+            # spills, 2688 us against 2178 us uncapped (H200, T = 8192, H = 96, bf16).
+            num_warps=4 if block_k <= 64 else 8,
+        )  # fmt: skip
     o = torch.empty_like(v) if output else None
     if initial_state is not None:
         initial_state = initial_state.contiguous()

@@ -57,12 +57,13 @@ def test_large_decays_inside_a_block(variant):
     assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
 
 
-def test_dense_and_dyadic_chunks_in_one_launch():
+def test_dense_and_dyadic_chunks_in_one_call():
     """Without the safe gate each chunk checks its decays: within e^80 a block it takes
-    the dense diagonal dots, else the dyadic split. Decays of ~10 per token in the first
-    chunk only (the dense dots would overflow there) and ordinary ones after."""
+    the dense diagonal dots (the first launch), else the dyadic split (the second).
+    Decays of ~10 per token in the second chunk only (the dense dots would overflow
+    there) and ordinary ones around it."""
     shift = torch.zeros(150, 1, 1)
-    shift[:64] = 10.0
+    shift[64:128] = 10.0
     (o, state), (o_ref, state_ref) = run("softplus_gate", gate_shift=shift, length=150,
                                          heads=1, value_heads=2, head_k=16, head_v=16)  # fmt: skip
     assert o.isfinite().all() and state.isfinite().all()
