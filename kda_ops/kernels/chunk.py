@@ -18,16 +18,19 @@ at most 1 (row side decayed from its block's start, column side to its block's e
 the gap between the two blocks). Inside a diagonal block, with the safe gate
 (``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
 most e^80 (inside fp32 and bf16 range) and the block is one dense dot. Any other gate
-(and fp16) checks each chunk first: when every block of it decays by at most e^80 (e^10
-for fp16) in every channel, as real gates mostly do, the chunk takes the same dense dots;
-otherwise its blocks' pairs are split dyadically (four levels of two dots, every factor
-at most 1; ``diagonal_block``). The prepare kernel's ``CHUNKS`` picks which chunks a
-launch prepares: ``"all"`` branches per chunk in one launch (the safe gate's only path,
-and TensorRT's plugin); without the safe gate ``launch_chunk_kda`` launches twice,
-``"bounded"`` (the dense chunks; it flags the others in an int8 ``[chunks, HV]``
-buffer) then ``"unbounded"`` (the flagged ones), so that each launch compiles one path:
-one kernel holding both spills (sm_90 SASS, softplus gate, K = 128: 992 bytes of stack
-and 956 local loads / stores, against 376 and 186 for the "bounded" launch).
+(and fp16) takes the same dense dots first, and the chunk's block decays, computed on the
+way, say whether they were in range: every block decaying by at most e^80 (e^10 for
+fp16) in every channel, as real gates mostly do. A chunk where one did not is redone
+with its blocks' pairs split dyadically (four levels of two dots, every factor at most
+1; ``diagonal_block``), overwriting every output of the dense pass. The prepare kernel's
+``CHUNKS`` picks what a launch does: ``"all"`` redoes such a chunk in the same program
+(the safe gate's only path, and TensorRT's single-launch plugin); without the safe gate
+``launch_chunk_kda`` launches twice, ``"bounded"`` (every chunk dense, flagging those
+out of range in an int8 ``[chunks, HV]`` buffer) then ``"unbounded"`` (the flagged ones,
+dyadic), so that each launch compiles one path. sm_90 SASS, softplus gate, K = 128: the
+bounded launch has the dense path's 8.2K instructions and 240 bytes of stack; checking
+the decays in a pass of their own before it cost 1.8K instructions, and one kernel
+holding both paths 992 bytes of stack.
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -367,63 +370,29 @@ def chunk_prepare_kernel(
                                      BN, IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
     # Which chunks this launch prepares (``CHUNKS``, module docstring).
-    if SAFE_GATE:
-        dense = True
-    elif CHUNKS == "unbounded":
-        dense = tl.load(unbounded + i_c * HV + i_hv) == 0
-    else:
-        dense = _chunk_fits_dense(g, A_log, dt_bias, lower_bound, start, remaining, i_hv, offs_k,
-                                  mask_k, dense_decay_limit(qg.dtype.element_ty), HV, K, BK,
-                                  SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
-        if CHUNKS == "bounded":
-            tl.store(unbounded + i_c * HV + i_hv, (dense == 0).to(tl.int8))
     # fmt: off
-    if dense:
-        if CHUNKS != "unbounded":
-            _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                           remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K,
-                           V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
-                           USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    else:
-        if CHUNKS != "bounded":
+    if CHUNKS == "unbounded":
+        if tl.load(unbounded + i_c * HV + i_hv) != 0:
             _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
                            remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K,
                            V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
                            USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+    else:
+        fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                              remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV,
+                              K, V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
+                              True, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+        if not SAFE_GATE:
+            if CHUNKS == "bounded":
+                tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
+            elif fits == 0:  # "all": redo this chunk here, overwriting every output
+                tl.debug_barrier()  # the dense pass's stores land first
+                _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                               remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV,
+                               K, V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
+                               False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
     # fmt: on
-
-
-@triton.jit
-def _chunk_fits_dense(g, A_log, dt_bias, lower_bound, start, remaining, i_hv, offs_k, mask_k,
-                      limit, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                      HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Whether every row block of the chunk decays by at most e^limit in every channel."""
-    least = tl.zeros([BK], dtype=tl.float32)
-    for i_b in tl.static_range(4):
-        least = tl.minimum(least, _block_decay(g, A_log, dt_bias, lower_bound, start, remaining,
-                                               i_b, i_hv, offs_k, mask_k, HV, K, BK,
-                                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-                                               USE_LOWER_BOUND))  # fmt: skip
-    return tl.min(least, axis=0) >= -limit
-
-
-@triton.jit
-def _block_decay(g, A_log, dt_bias, lower_bound, start, remaining, i_b, i_hv, offs_k, mask_k,
-                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                 SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                 USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Row block i_b's total log-decay per channel, [BK] fp32 (<= 0)."""
-    sub = tl.arange(0, BLOCK)
-    tokens = start + i_b * BLOCK + sub
-    in_seq = i_b * BLOCK + sub < remaining
-    raw_g = _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV, K, SCALAR_GATE)
-    b_g = _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K,
-                         BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
-    return tl.sum(b_g, axis=0)
 
 
 @triton.jit
@@ -505,6 +474,11 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     _store_kd(kd, k_out2, decay3, decay4, start, remaining, 2, i_hv, offs_k, mask_k, HV, K)
     _store_kd(kd, k_out3, decay4, decay4, start, remaining, 3, i_hv, offs_k, mask_k, HV, K)
     # fmt: on
+    # Whether the dense diagonal dots were in range: every block's decay within the limit.
+    least = tl.minimum(
+        tl.minimum(decay1, decay2 - decay1), tl.minimum(decay3 - decay2, decay4 - decay3)
+    )
+    return tl.min(least, axis=0) >= -dense_decay_limit(qg.dtype.element_ty)
 
 
 @triton.jit

@@ -54,10 +54,10 @@ def _delta_inputs(batch: int, length: int) -> dict[str, torch.Tensor]:
     )  # fmt: skip
 
 
-def _delta_reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _delta_reference(inputs: dict, lower_bound=-5.0) -> tuple[torch.Tensor, torch.Tensor]:
     args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_in")]
     return reference.delta_rule(reference.recurrent_delta_rule, *args, None,
-                                DELTA_ATTRS["scale"], -5.0, True, True)  # fmt: skip
+                                DELTA_ATTRS["scale"], lower_bound, True, True)  # fmt: skip
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -85,6 +85,23 @@ def test_chunk_plugin_chain_matches_reference(batch, length):
     got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
                                {})  # fmt: skip
     o, final = _delta_reference({**inputs, "state_in": state})
+    _close(got["o"], o)
+    _close(got["final_state"], final)
+
+
+def test_chunk_plugin_chain_with_unbounded_gate_redoes_overflowing_chunks():
+    """The softplus gate in the plugin's single prepare launch: each chunk takes the dense
+    diagonal dots first; the first chunk's decays of ~10 a token overflow them, so that
+    program redoes its chunk by the dyadic split, overwriting every output."""
+    inputs = _delta_inputs(1, 130)
+    inputs["g"][:, :64] += 10.0
+    state = inputs.pop("state_in")
+    attrs = dict(DELTA_ATTRS, use_lower_bound=0)
+    prepared = launch_like_tensorrt("chunk_prepare", inputs, attrs)
+    recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
+    got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
+                               {})  # fmt: skip
+    o, final = _delta_reference({**inputs, "state_in": state}, lower_bound=None)
     _close(got["o"], o)
     _close(got["final_state"], final)
 

@@ -58,8 +58,9 @@ def test_large_decays_inside_a_block(variant):
 
 
 def test_dense_and_dyadic_chunks_in_one_call():
-    """Without the safe gate each chunk checks its decays: within e^80 a block it takes
-    the dense diagonal dots (the first launch), else the dyadic split (the second).
+    """Without the safe gate every chunk takes the dense diagonal dots first (the first
+    launch); one with a block decaying past e^80 is redone by the dyadic split (the
+    second), its overflowed dense outputs overwritten.
     Decays of ~10 per token in the second chunk only (the dense dots would overflow
     there) and ordinary ones around it."""
     shift = torch.zeros(150, 1, 1)
