@@ -99,6 +99,10 @@ from kda_ops.kernels.gate import gate_activation
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
+# The pairs kernel's dense diagonal blocks take factors up to e^{block's decay}: the safe
+# gate's bound (15 rows of at most 5), which other gates' blocks mostly meet too.
+DENSE_DIAGONAL_LIMIT = tl.constexpr(75.0)
+
 
 @triton.jit
 def _load_unit_rows(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
@@ -223,8 +227,9 @@ def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
 @triton.jit
 def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up):
     """``_dyadic_diagonal_grads``'s gradients by dense dots with the pair factors split at
-    the block's first row ``ref`` (safe gate only: the growing half e^{ref - G} stays below
-    e^75); ``up = e^{G - ref}`` ``[BLOCK, BK]``.
+    the block's first row ``ref`` (for blocks decaying within ``DENSE_DIAGONAL_LIMIT``, so
+    that the growing half e^{ref - G} stays below e^75); ``up = e^{G - ref}``
+    ``[BLOCK, BK]``.
 
     Operands stay fp32 and the dots exact whatever the inputs' dtype: each pair term
     enters dG twice, at its row (through k e^{ref - G}) and negated at its column (through
@@ -299,7 +304,7 @@ def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k,
 def chunk_bwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
     scale, lower_bound, length, n_seqs,
-    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
+    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -314,7 +319,9 @@ def chunk_bwd_prepare_kernel(
     the chunk states), and at ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk
     (causal part only; blocks above the diagonal are left unwritten) and T (likewise);
     with ``USE_L2NORM`` the inverse norms of the q and k rows (fp32 ``[B, T, HV]``) for
-    the pairs kernel, which reads only some key columns of a row."""
+    the pairs kernel, which reads only some key columns of a row; without the safe gate,
+    at ``unbounded[i_c, i_hv]`` (int8) whether a row block of the chunk decays past the
+    pairs kernel's dense limit in some channel."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -341,6 +348,14 @@ def chunk_bwd_prepare_kernel(
     tl.store(cum_g + token_offsets, b_cum, mask=mask_rows_k)
     last = tl.minimum(remaining, CHUNK) - 1
     cum_last = _row(b_cum, rows, last)
+    if not SAFE_GATE:  # padding rows hold cum_last, so the last block ends at row 63
+        end0 = _row(b_cum, rows, BLOCK - 1)
+        end1 = _row(b_cum, rows, 2 * BLOCK - 1)
+        end2 = _row(b_cum, rows, 3 * BLOCK - 1)
+        least = tl.minimum(tl.minimum(end0, end1 - end0),
+                           tl.minimum(end2 - end1, cum_last - end2))  # fmt: skip
+        fits = tl.min(least, axis=0) >= -DENSE_DIAGONAL_LIMIT
+        tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
     tl.debug_barrier()  # cum_g rows are re-read by block below
 
     # --- Aqk, A and T = (I + A)⁻¹ by 16-row blocks: row block I of A goes to T's buffer,
@@ -674,20 +689,20 @@ def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
                   r_q, r_k, r_beta, r_cum, ref, up, rows_a, rows_q, col, d_later, d_a_log, d_dt,
                   HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N_K: tl.constexpr,
                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr):  # fmt: skip
+                  USE_LOWER_BOUND: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
     """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
     ``rows_q`` its rows against earlier columns (``_earlier_block``), ``col`` its columns
-    against later rows. Adds the diagonal block (dense fp32 dots at ``ref`` under the safe
-    gate, else dyadic), adds everything to the row-local gradients of
-    ``chunk_bwd_wy_kernel`` in place (dq̂, dk̂ fp32), stores this column block's share of
-    dβ (``[B, T, HV, N_K]`` fp32), and runs the reverse cumsum of dG and the gate backward
-    (``_gate_rows``). Returns (d_later: Σ dG of the rows from this block on ``[BK]``,
-    dA_log and d dt_bias running sums)."""
+    against later rows. Adds the diagonal block (``DENSE``: fp32 dots at ``ref``, for
+    blocks decaying within ``DENSE_DIAGONAL_LIMIT``; else dyadic), adds everything to the
+    row-local gradients of ``chunk_bwd_wy_kernel`` in place (dq̂, dk̂ fp32), stores this
+    column block's share of dβ (``[B, T, HV, N_K]`` fp32), and runs the reverse cumsum of
+    dG and the gate backward (``_gate_rows``). Returns (d_later: Σ dG of the rows from
+    this block on ``[BK]``, dA_log and d dt_bias running sums)."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
     d_a, m_q = _pair_tiles(aqk, solve, chunk_id, i_b, i_b)
-    if SAFE_GATE:
+    if DENSE:
         diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
                                                                  r_cum, ref, up)  # fmt: skip
     else:
@@ -719,7 +734,7 @@ def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
 @triton.jit
 def chunk_bwd_pairs_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, aqk,
-    solve, d_cum_rows,
+    solve, d_cum_rows, unbounded,
     lower_bound, length, n_seqs,
     dq_rows, dk_rows, dg, dbeta_part, dA_log_part, ddt_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -727,6 +742,7 @@ def chunk_bwd_pairs_kernel(
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k (every pair term
     is a per-column product but for dβ's sum over columns, whose shares the launcher adds):
@@ -740,7 +756,11 @@ def chunk_bwd_pairs_kernel(
     The four row blocks are unrolled and loaded once; block I's pairs with an earlier
     block J split their factors at I's first row. Blocks are finished from the last, so
     that the reverse cumsum of dG carries forward and each column accumulator is complete
-    when its block is finished."""
+    when its block is finished.
+
+    ``CHUNKS``: ``"all"`` with the safe gate (dense diagonal blocks); otherwise the
+    launcher runs ``"bounded"`` (the chunks ``unbounded`` does not flag, dense) and
+    ``"unbounded"`` (the flagged ones, dyadic), so that each launch compiles one path."""
     N_K = (K + BK - 1) // BK
     i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -748,10 +768,14 @@ def chunk_bwd_pairs_kernel(
                                     IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    if CHUNKS != "all":  # this launch takes the flagged chunks or the others
+        flagged = tl.load(unbounded + chunk_id) != 0
+        if flagged != (CHUNKS == "unbounded"):
+            return
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
     dot_dtype = q.dtype.element_ty
-    chunk_id = (i_c * HV + i_hv).to(tl.int64)
     last = tl.minimum(remaining, CHUNK) - 1
     cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
     if USE_GATE:
@@ -788,7 +812,7 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up, rows_a,
         rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
 
     ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
     rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 2, 0, ref, beta2, k_in, q_in,
@@ -799,7 +823,7 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up, rows_a,
         rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
 
     ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
     rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 1, 0, ref, beta1, k_in, q_in,
@@ -808,14 +832,14 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up, rows_a,
         rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
 
     ref, up, k_in, q_in = _open_rows(q0, k0, cum0, dot_dtype)
     d_later, d_a_log, d_dt = _finish_block(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up, zero,
         zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE)
+        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
     # fmt: on
     if USE_GATE:
         tl.store(dA_log_part + chunk_id * N_K + i_k, d_a_log)
@@ -921,9 +945,14 @@ def launch_chunk_kda_backward(
     aqk, solve = torch.empty(2, n_chunks, value_heads, CHUNK, CHUNK, **f32)
     chunk_decay = torch.empty(n_chunks, value_heads, head_k, **f32)
     q_norm, k_norm = torch.empty(2, *tokens_shape, **f32)
+    # Without the safe gate the prepare kernel flags the chunks that decay past the pairs
+    # kernel's dense limit; the pairs kernel then runs twice, dense and dyadic chunks.
+    unbounded = None
+    if not flags["SAFE_GATE"]:
+        unbounded = torch.empty(n_chunks, value_heads, device=dev, dtype=torch.int8)
     chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
         q, k, v, g, beta, *gate_args, scale, lower, length, n_seqs,
-        cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
+        cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded,
         **shape, V=head_v, BV=block_v, **flags, **launch,
     )  # fmt: skip
     # The chunk states, from this kernel's w, u, kd (no second run of the forward's
@@ -974,12 +1003,13 @@ def launch_chunk_kda_backward(
     # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
     dA_log_part = torch.zeros(n_chunks, value_heads, n_k, **f32)
     ddt_part = torch.zeros(n_chunks, value_heads, n_k if scalar_gate else head_k, **f32)
-    chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
-        q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, aqk, solve, d_cum,
-        lower, length, n_seqs,
-        dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
-        **dict(shape, BK=pair_k), **flags, num_warps=4, num_stages=1,
-    )  # fmt: skip
+    for chunks in ("all",) if unbounded is None else ("bounded", "unbounded"):
+        chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
+            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, aqk, solve, d_cum, unbounded,
+            lower, length, n_seqs,
+            dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
+            **dict(shape, BK=pair_k), **flags, CHUNKS=chunks, num_warps=4, num_stages=1,
+        )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):

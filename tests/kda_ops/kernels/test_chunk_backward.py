@@ -139,3 +139,13 @@ def test_large_decays_inside_a_block(variant):
     stays finite and exact."""
     shift = 10.0 if variant == "softplus_gate" else -10.0  # pregated g is the log-decay
     check_gradients(variant, gate_shift=shift, length=70, head_k=16, head_v=16)
+
+
+@pytest.mark.parametrize("variant", ["softplus_gate", "pregated"])
+def test_dense_and_dyadic_chunks_in_one_call(variant):
+    """Without the safe gate the pairs kernel runs twice: the chunks whose blocks decay
+    within e^75 take the dense diagonal blocks, the ones the prepare kernel flags the
+    dyadic split. Decays of ~10 a token in the second of three chunks only."""
+    shift = torch.zeros(150, 1, 1, device=DEVICE)
+    shift[64:128] = 10.0 if variant == "softplus_gate" else -10.0
+    check_gradients(variant, gate_shift=shift, length=150, head_k=16, head_v=16)
