@@ -1,5 +1,6 @@
-"""The hybrid example model at Kimi-Linear attention dims: (a) eager with FLA's KDA kernels
-(how people run it today) vs (b) ``torch.compile(backend="kda")``, in one process.
+"""The hybrid example model at Kimi-Linear attention dims: (a) eager with FLA's KDA and
+short-conv kernels (how people run it today) vs (b) ``torch.compile(backend="kda")``, in one
+process.
 
 Prefill: B = 1, T = 8192, tokens/s. Decode: B = 64 after a 512-token prompt, in-place
 ``decode_`` (b: ``mode="reduce-overhead"``, CUDA graphs), tokens/s. Prints a table with the
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples/ folder
 
@@ -55,10 +57,20 @@ def sizes(quick: bool, layers: int, vocab: int) -> Sizes:
 
 def fla_kernels() -> KDAKernels:
     try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except ImportError as error:
         raise SystemExit(f"needs fla-core (pip install fla-core==0.6.0): {error}") from error
-    return KDAKernels(chunk=chunk_kda, recurrent=fused_recurrent_kda)
+
+    def short_conv(x, weight, initial_state, activation):
+        """FLA's conv as its ``ShortConvolution`` runs it (Triton backend); FLA's state keeps
+        the last W inputs where ours keeps W - 1."""
+        y, final = causal_conv1d(x, weight, initial_state=F.pad(initial_state, (1, 0)),
+                                 output_final_state=True, activation=activation,
+                                 backend="triton")  # fmt: skip
+        return y, final[..., 1:]
+
+    return KDAKernels(chunk=chunk_kda, recurrent=fused_recurrent_kda, conv=short_conv)
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -6,6 +6,7 @@ Usage (GPU): ``python benchmarks/ops.py [--only chunk96 conv ...] [--json out.js
 import argparse
 
 import torch
+from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_conv_update
 from fla.modules.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
 from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -101,6 +102,29 @@ def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4, copies=4) -> li
     ]
 
 
+def bench_conv_prefill(length=8192, channels=32 * 128, width=4) -> list[Row]:
+    """One q/k/v short conv of the hybrid model's prefill, from a state (as the model calls
+    it) and from none; FLA's Triton backend, whose state keeps W inputs where ours keeps
+    W - 1."""
+    x = torch.randn(1, length, channels, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(channels, width, device=DEVICE, dtype=torch.bfloat16)
+    state = torch.randn(1, channels, width - 1, device=DEVICE, dtype=torch.bfloat16)
+    fla_state = torch.nn.functional.pad(state, (1, 0))
+    rows = []
+    for ours_state, peer_state, label in ((state, fla_state, "state"), (None, None, "no state")):
+
+        def ours(initial=ours_state):
+            return kda_ops.causal_conv1d(x, weight, initial_state=initial, activation="silu")
+
+        def peer(initial=peer_state):
+            return fla_causal_conv1d(x, weight, initial_state=initial, output_final_state=True,
+                                     activation="silu", backend="triton")  # fmt: skip
+
+        case = f"conv prefill B=1 T={length} D={channels} W={width} bf16, {label}"
+        rows.append(Row(case, time_ms(ours), time_ms(peer), 2 * x.numel() * x.element_size()))
+    return rows
+
+
 def bench_chunk(heads, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
     """Forward; ``lower_bound=None`` is Kimi Linear's unbounded softplus gate."""
     x = kda_inputs(1, length, heads, dim)
@@ -168,6 +192,7 @@ BENCHES = {
     "decode": bench_decode,
     "norm": bench_gated_norm,
     "conv": bench_conv_update,
+    "conv_prefill": bench_conv_prefill,
 }
 
 

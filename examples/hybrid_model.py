@@ -109,10 +109,12 @@ Cache = tuple[LayerState, ...]
 @dataclasses.dataclass(frozen=True)
 class KDAKernels:
     """The KDA core: ``chunk`` (prefill) and ``recurrent`` (decode), both with FLA's keyword
-    API and ``(o, final_state)`` results. The default is kda_ops; benchmarks swap in FLA's."""
+    API and ``(o, final_state)`` results, and the prefill short conv ``conv`` with
+    :func:`kda_ops.causal_conv1d`'s. The default is kda_ops; benchmarks swap in FLA's."""
 
     chunk: Callable[..., tuple[Tensor, Optional[Tensor]]] = kda_ops.chunk_kda
     recurrent: Callable[..., tuple[Tensor, Optional[Tensor]]] = kda_ops.fused_recurrent_kda
+    conv: Callable[..., tuple[Tensor, Tensor]] = kda_ops.causal_conv1d
 
 
 def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -153,12 +155,13 @@ def _write_back(state: Tensor, new: Tensor, inplace: bool) -> Tensor:
 class ShortConv(nn.Module):
     """Depthwise causal conv (no bias) + SiLU over ``[B, T, D]``; weight ``[D, W]``."""
 
-    def __init__(self, channels: int, width: int) -> None:
+    def __init__(self, channels: int, width: int, kernels: KDAKernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(channels, width) / width)
+        self.kernels = kernels
 
     def prefill(self, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        return kda_ops.causal_conv1d(x, self.weight, initial_state=state, activation="silu")
+        return self.kernels.conv(x, self.weight, initial_state=state, activation="silu")
 
     def decode(self, x: Tensor, state: Tensor, inplace: bool) -> tuple[Tensor, Tensor]:
         """x ``[B, 1, D]`` -> (y ``[B, 1, D]``, state after the step)."""
@@ -189,7 +192,7 @@ class KDAAttention(nn.Module):
             nn.Linear(hidden, heads * dim, bias=False) for _ in range(3)
         )
         self.q_conv, self.k_conv, self.v_conv = (
-            ShortConv(heads * dim, config.conv_size) for _ in range(3)
+            ShortConv(heads * dim, config.conv_size, kernels) for _ in range(3)
         )
         self.f_a_proj = nn.Linear(hidden, dim, bias=False)
         self.f_b_proj = nn.Linear(dim, heads * dim, bias=False)

@@ -198,16 +198,16 @@ def _conv_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     channels, width = config["channels"], config["width"]
     return dict(
         D=channels, W=width, BT=CONV_BLOCK_T, BD=min(triton.next_power_of_2(channels), 256),
-        BN=1, HAS_BIAS=True, HAS_STATE=True, USE_INDICES=False, IS_VARLEN=False,
+        BN=1, BW=triton.next_power_of_2(width - 1), HAS_BIAS=True, HAS_STATE=True,
+        USE_INDICES=False, IS_VARLEN=False,
         SILU=config.get("activation", "silu") == "silu",
     )  # fmt: skip
 
 
 def _conv_state_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     base = _conv_constexprs(config)
-    return dict(D=base["D"], W=base["W"], BD=base["BD"],
-                BW=triton.next_power_of_2(base["W"] - 1), HAS_STATE=True, USE_INDICES=False,
-                IS_VARLEN=False)  # fmt: skip
+    return dict(D=base["D"], W=base["W"], BD=base["BD"], BW=base["BW"], HAS_STATE=True,
+                USE_INDICES=False, IS_VARLEN=False)  # fmt: skip
 
 
 def _norm_constexprs(config: Mapping[str, object]) -> dict[str, object]:

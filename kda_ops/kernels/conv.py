@@ -1,7 +1,9 @@
-"""Depthwise causal conv1d: a token-parallel output kernel and a sequence-parallel kernel
-that writes the final conv state (the last ``W - 1`` inputs); for one token per sequence
-(decode) a single kernel does both in one pass over the state: for W = 4 and D % 8 == 0
-one that moves only 16-byte vectors (:func:`conv_step_w4_kernel`), else a generic one.
+"""Depthwise causal conv1d: a token-parallel output kernel (a sequence's first ``W - 1``
+tokens, which read the initial state, done apart by the program holding the sequence's
+start) and a sequence-parallel kernel that writes the final conv state (the last ``W - 1``
+inputs); for one token per sequence (decode) a single kernel does both in one pass over
+the state: for W = 4 and D % 8 == 0 one that moves only 16-byte vectors
+(:func:`conv_step_w4_kernel`), else a generic one.
 
 Layouts: x ``[B, T, D]`` (or packed ``[1, T_total, D]`` with ``cu_seqlens``); weight
 ``[D, W]``; state ``[N, D, W - 1]``, entry ``j`` holding the input ``W - 1 - j`` tokens
@@ -50,45 +52,82 @@ def _token_block(cu_seqlens, n_seqs, length, D: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def _tap_weight(weight, cols, mask_d, tap, W: tl.constexpr):
+    """Tap ``tap`` of the channels ``cols`` ([BD] fp32)."""
+    return tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_output(z, bias, cols, mask_d, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """y from the taps' sum z ([rows, BD] fp32): plus the bias, then the activation."""
+    if HAS_BIAS:
+        z += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
 def causal_conv1d_kernel(
     x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y,
     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
-    IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+    BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
+    """y of a [BT, BD] tile from x alone. With an initial state, a sequence's first W - 1
+    tokens (the only ones reading it) are left to ``_sequence_head``, run by the program
+    holding the sequence's first token: the state's strided gather over every tile's rows
+    made this kernel spill and load 2 bytes at a time."""
     cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
                                                          BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
-    slot = seq.to(tl.int64)
-    has_history = valid
-    if USE_INDICES:
-        slot = tl.load(state_indices + seq, mask=valid, other=-1).to(tl.int64)
-        has_history = valid & (slot >= 0)
+    z = tl.zeros([BT, BD], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        shift = W - 1 - tap
+        b_x = _window_input(x, state, tokens - shift, position - shift, seq, valid, valid, cols,
+                            mask_d, D, W, False)  # fmt: skip
+        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
+    b_y = _conv_output(z, bias, cols, mask_d, HAS_BIAS, SILU)
+    written = valid
+    if HAS_STATE:
+        written = valid & (position >= W - 1)
+    tl.store(y + tokens[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty),
+             mask=written[:, None] & mask_d[None, :])  # fmt: skip
+    if HAS_STATE:
+        starts = valid & (position == 0)
+        i_n = tl.min(tl.where(starts, seq, n_seqs))
+        last = tl.max(tl.where(starts, seq, -1))
+        while i_n <= last:  # the sequences starting in this tile
+            _sequence_head(x, weight, bias, state, state_indices, cu_seqlens, length, y, i_n,
+                           cols, mask_d, D, W, BW, HAS_BIAS, USE_INDICES, IS_VARLEN,
+                           SILU)  # fmt: skip
+            i_n += 1
 
-    # Only blocks holding one of a sequence's first W - 1 tokens read the state: its
-    # strided gather costs an instruction per element even where fully masked off.
-    reads_state = tl.min(tl.where(has_history, position, W)) < W - 1
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
+
+@triton.jit
+def _sequence_head(x, weight, bias, state, state_indices, cu_seqlens, length, y, i_n, cols,
+                   mask_d, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, USE_INDICES: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """y of sequence i_n's first W - 1 tokens (rows of a [BW, BD] tile), whose windows
+    reach into the initial state (slot ``state_indices[i_n]`` if given; negative: none)."""
+    bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
+    slot = i_n.to(tl.int64)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    position = tl.arange(0, BW).to(tl.int64)
+    slots = slot + position * 0
+    valid = (position < W - 1) & (position < span)
+    has_history = valid & (slots >= 0)
+    z = tl.zeros([BW, cols.shape[0]], dtype=tl.float32)
     for tap in tl.static_range(W):
         source = position - (W - 1 - tap)
-        in_x = (valid & (source >= 0))[:, None] & mask_d[None, :]
-        b_x = tl.load(x + (tokens - (W - 1 - tap))[:, None] * D + cols[None, :], mask=in_x,
-                      other=0.0).to(tl.float32)  # fmt: skip
-        if HAS_STATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if reads_state:
-                in_state = (has_history & (source < 0))[:, None] & mask_d[None, :]
-                state_offsets = (slot[:, None] * D + cols[None, :]) * (W - 1) + (W - 1 + source)[
-                    :, None
-                ]
-                b_x += tl.load(state + state_offsets, mask=in_state, other=0.0).to(tl.float32)
-        b_w = tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
-        acc += b_x * b_w[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    mask = valid[:, None] & mask_d[None, :]
-    tl.store(y + tokens[:, None] * D + cols[None, :], acc.to(y.dtype.element_ty), mask=mask)
+        b_x = _window_input(x, state, bos + source, source, slots, valid,
+                            has_history, cols, mask_d, D, W, True)  # fmt: skip
+        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
+    b_y = _conv_output(z, bias, cols, mask_d, HAS_BIAS, SILU)
+    tl.store(y + (bos + position)[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty),
+             mask=valid[:, None] & mask_d[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -122,10 +161,9 @@ def conv_grad_z_kernel(
     for tap in tl.static_range(W):
         source = position - (W - 1 - tap)
         b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
-                            cols, mask_d, D, W, HAS_STATE)  # fmt: skip
-        z += b_x * tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+                            valid, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
+    z = _conv_output(z, bias, cols, mask_d, HAS_BIAS, False)
     offsets = tokens[:, None] * D + cols[None, :]
     b_dz = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
     if SILU:  # silu'(z) = σ(z) (1 + z (1 - σ(z)))
@@ -137,7 +175,7 @@ def conv_grad_z_kernel(
     for tap in tl.static_range(W):
         source = position - (W - 1 - tap)
         b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
-                            cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+                            valid, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
         shares += tl.where(taps[None, :] == tap, tl.sum(b_dz * b_x, axis=0)[:, None], 0.0)
     tl.store(dweight_parts + (part * D + cols[:, None]) * BW + taps[None, :], shares,
              mask=mask_d[:, None])  # fmt: skip
@@ -146,14 +184,15 @@ def conv_grad_z_kernel(
 
 
 @triton.jit
-def _window_input(x, state, token, source, slot, valid, cols, mask_d, D: tl.constexpr,
-                  W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
-    """The input at sequence position ``source`` of each row ([BT, BD] fp32): x's token
-    for source >= 0, the state's entry ``W - 1 + source`` before the start, else 0."""
+def _window_input(x, state, token, source, slot, valid, has_history, cols, mask_d,
+                  D: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
+    """The input at sequence position ``source`` of each row ([rows, BD] fp32): x's token
+    for source >= 0, the state's entry ``W - 1 + source`` before the start where the row
+    has a history, else 0."""
     in_x = (valid & (source >= 0))[:, None] & mask_d[None, :]
     b_x = tl.load(x + token[:, None] * D + cols[None, :], mask=in_x, other=0.0).to(tl.float32)
     if HAS_STATE:
-        in_state = (valid & (source < 0) & (source >= -(W - 1)))[:, None] & mask_d[None, :]
+        in_state = (has_history & (source < 0) & (source >= -(W - 1)))[:, None] & mask_d[None, :]
         offsets = (slot[:, None] * D + cols[None, :]) * (W - 1) + (W - 1 + source)[:, None]
         b_x += tl.load(state + offsets, mask=in_state, other=0.0).to(tl.float32)
     return b_x
@@ -172,7 +211,7 @@ def _gathered_grad(grad_z, weight, grad_final, position, span, first, seq, valid
         inside = (valid & (target >= 0) & (target < span))[:, None] & mask_d[None, :]
         b_dz = tl.load(grad_z + (first + target)[:, None] * D + cols[None, :], mask=inside,
                        other=0.0)  # fmt: skip
-        acc += b_dz * tl.load(weight + cols * W + tap, mask=mask_d, other=0.0).to(tl.float32)
+        acc += b_dz * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
     entry = position - span + (W - 1)  # the final state's entry keeping this position
     kept = (valid & (entry >= 0) & (entry < W - 1))[:, None] & mask_d[None, :]
     acc += tl.load(grad_final + (seq.to(tl.int64)[:, None] * D + cols[None, :]) * (W - 1)
@@ -493,14 +532,15 @@ def launch_causal_conv1d(
     block_t, block_d = _tile_sizes(length, channels)
     flags["IS_VARLEN"] = cu_seqlens is not None
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
+    kept = triton.next_power_of_2(width - 1)
     causal_conv1d_kernel[grid](
         x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y,
-        D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs),
+        D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs), BW=kept,
         HAS_BIAS=bias is not None, SILU=activation == "silu", **flags,
     )  # fmt: skip
     conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
         x, state_in, state_indices, cu_seqlens, length, state_out,
-        D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width - 1), **flags,
+        D=channels, W=width, BD=block_d, BW=kept, **flags,
     )  # fmt: skip
     return y
 

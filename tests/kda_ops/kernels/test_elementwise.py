@@ -142,6 +142,23 @@ def test_causal_conv1d_pool_in_place(length):
     assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
 
 
+def test_causal_conv1d_varlen_pool_heads():
+    """Packed sequences from a pool: three start in the first 64-token tile (one of one
+    token), one starts at its last row so that its first W - 1 outputs, which read the
+    state, cross into the next tile, and one has padding (-1) for a slot."""
+    x, weight, bias = conv_inputs(torch.float32, 1, 140)
+    cu_seqlens = torch.tensor([0, 62, 63, 66, 129, 140], device=DEVICE)
+    pool = torch.randn(6, 10, 3, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([3, -1, 0, 5, 1], device=DEVICE)
+    history = torch.where((indices >= 0)[:, None, None], before[indices.clamp(min=0)], 0)
+    y_ref, state_ref = reference.causal_conv1d(x, weight, bias, history, cu_seqlens, "silu")
+    y = launch_causal_conv1d(x, weight, bias, pool, pool, indices, cu_seqlens, "silu")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(pool[[3, 0, 5, 1]], state_ref[[0, 2, 3, 4]])
+    torch.testing.assert_close(pool[[2, 4]], before[[2, 4]])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("channels", [8, 24, 1040])  # 1040: a second, partial block
