@@ -98,6 +98,15 @@ def prefill_tokens_per_s(model: HybridLM, prefill: Callable, s: Sizes) -> float:
     return s.prefill_length / timed(run, s.repeats)
 
 
+def prefill_logits_error(eager: HybridLM, compiled: Callable, ours: HybridLM, s: Sizes) -> float:
+    """FLA's metric (relative RMSE, float64) of (b)'s prefill logits against (a)'s on one
+    prompt: the two paths timed must compute the same model."""
+    ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
+    want = eager.prefill(ids, eager.new_cache(1, max_seq_len=s.prefill_length))[0].double()
+    got = compiled(ids, ours.new_cache(1, max_seq_len=s.prefill_length))[0].double()
+    return ((got - want).norm() / want.norm()).item()
+
+
 def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> float:
     """Tokens/s of ``decode_steps`` in-place steps, each run restarting at the prompt end."""
     ids = torch.randint(0, s.config.vocab_size, (s.decode_batch, 1), device="cuda")
@@ -154,6 +163,7 @@ def main() -> None:
         eager = prefill_tokens_per_s(fla, fla.prefill, s)
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
         row(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
+        logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
 
         cache_eager = prompt_cache(fla, s)
         cache_compiled = clone(cache_eager)
@@ -164,6 +174,7 @@ def main() -> None:
         eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
         compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
         row(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
+    print(f"\nprefill logits, (b) against (a): relative error {logits_error:.2e}")
 
 
 if __name__ == "__main__":
