@@ -786,6 +786,7 @@ def chunk_bwd_pairs_kernel(
     d_a_log = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)  # a 0-d fp32 accumulator
     d_dt = tl.zeros([BK], dtype=tl.float32)
     zero = tl.zeros([BLOCK, BK], dtype=tl.float32)
+    dense = SAFE_GATE or CHUNKS == "bounded"  # diagonal blocks as dense dots (compile time)
 
     # fmt: off
     q0, k0, beta0, cum0 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
@@ -812,7 +813,7 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up, rows_a,
         rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
+        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
     rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 2, 0, ref, beta2, k_in, q_in,
@@ -823,7 +824,7 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up, rows_a,
         rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
+        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
     rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 1, 0, ref, beta1, k_in, q_in,
@@ -832,14 +833,14 @@ def chunk_bwd_pairs_kernel(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up, rows_a,
         rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
+        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q0, k0, cum0, dot_dtype)
     d_later, d_a_log, d_dt = _finish_block(
         g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
         start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up, zero,
         zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE or CHUNKS == "bounded")
+        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
     # fmt: on
     if USE_GATE:
         tl.store(dA_log_part + chunk_id * N_K + i_k, d_a_log)
