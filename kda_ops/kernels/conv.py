@@ -19,6 +19,7 @@ state's gradient; ``conv_grad_state_kernel`` does the same for the initial state
 entries.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -405,8 +406,8 @@ def _taps_of(w0, w1, w2, w3):
 
 @triton.jit
 def conv_step_w4_kernel(
-    x, weight, bias, state_in, state_indices, y, state_out,
-    D: tl.constexpr, BG: tl.constexpr,
+    x, weight, bias, state_in, state_indices, y, state_out, batch,
+    D: tl.constexpr, BG: tl.constexpr, NB: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):  # fmt: skip
@@ -416,15 +417,40 @@ def conv_step_w4_kernel(
     vectors, x and y one, the weight four. Values are regrouped per entry in registers
     (:func:`_entries_of`), where the generic kernel's state rows of 6 bytes cost a 2-byte
     access per value, and the new state (entries 1, 2 and x) is regrouped back the same
-    way. Program (i, n): groups ``[i * BG, (i + 1) * BG)`` of sequence n; the slot's base
-    is the only 64-bit product, offsets inside it are int32.
+    way. Program (i, p): groups ``[i * BG, (i + 1) * BG)`` of sequences ``[p * NB, (p + 1)
+    * NB)``, which share the weights it loads once; a slot's base is the only 64-bit
+    product, offsets inside it are int32.
     """
-    i_d, i_n = tl.program_id(0), tl.program_id(1)
+    i_d, i_p = tl.program_id(0), tl.program_id(1)
     groups = i_d * BG + tl.arange(0, BG)
     lanes = tl.arange(0, 8)
     cols = groups[:, None] * 8 + lanes[None, :]  # [BG, 8] channels
-    values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
     mask = (groups < D // 8)[:, None]
+    # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
+    rows = weight + groups[:, None] * 32 + lanes[None, :]
+    taps = _taps_of(
+        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
+    )
+    b_bias = tl.zeros([BG, 8], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    for i_s in tl.static_range(NB):
+        i_n = i_p * NB + i_s
+        if i_n < batch:
+            _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask,
+                     taps, b_bias, D, BG, HAS_STATE, USE_INDICES, SILU)  # fmt: skip
+
+
+@triton.jit
+def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask, taps,
+             b_bias, D: tl.constexpr, BG: tl.constexpr, HAS_STATE: tl.constexpr,
+             USE_INDICES: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """Sequence i_n's step in :func:`conv_step_w4_kernel`, the taps regrouped per entry
+    (:func:`_taps_of`) and the bias given."""
+    values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
     slot = i_n
     if USE_INDICES:
         slot = tl.load(state_indices + i_n)
@@ -439,18 +465,9 @@ def conv_step_w4_kernel(
             tl.load(slot_in + values + 8, mask=kept, other=0.0),
             tl.load(slot_in + values + 16, mask=kept, other=0.0),
         )
-    # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
-    rows = weight + groups[:, None] * 32 + lanes[None, :]
-    w0, w1, w2, w3 = _taps_of(
-        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
-    )
+    w0, w1, w2, w3 = taps
     acc = e0.to(tl.float32) * w0 + e1.to(tl.float32) * w1 + e2.to(tl.float32) * w2
-    acc += b_x.to(tl.float32) * w3
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    acc += b_x.to(tl.float32) * w3 + b_bias
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask)
@@ -469,6 +486,10 @@ def _tile_sizes(length: int, channels: int) -> tuple[int, int]:
     return block_t, min(128, triton.next_power_of_2(channels))
 
 
+# Sequences a W = 4 step program updates with one load of its weights.
+STEP_SEQUENCES_PER_PROGRAM = int(os.environ.get("KDA_CONV_STEP_SEQUENCES", "1"))
+
+
 def _launch_step(
     x: Tensor,
     weight: Tensor,
@@ -485,9 +506,12 @@ def _launch_step(
     if width == 4 and channels % 8 == 0:
         # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
         groups = min(128, triton.next_power_of_2(channels // 8))
-        conv_step_w4_kernel[(triton.cdiv(channels // 8, groups), batch)](
-            x, weight, bias, state_in, state_indices, y, state_out,
-            D=channels, BG=groups, num_warps=max(1, min(4, groups // 32)), **flags,
+        per_program = STEP_SEQUENCES_PER_PROGRAM
+        grid = (triton.cdiv(channels // 8, groups), triton.cdiv(batch, per_program))
+        conv_step_w4_kernel[grid](
+            x, weight, bias, state_in, state_indices, y, state_out, batch,
+            D=channels, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)),
+            **flags,
         )  # fmt: skip
         return
     block_d = min(512, triton.next_power_of_2(channels))
