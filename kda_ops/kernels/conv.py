@@ -13,12 +13,14 @@ history and no write); the output kernel runs before the state kernel, so readin
 rewriting the same slot is safe.
 
 Backward (functional op, fp32): ``conv_grad_z_kernel`` recomputes the pre-activation z
-and writes dz = dy · act'(z) with its programs' shares of dweight and dbias;
+(a sequence's first W - 1 tokens apart, as in the forward) and writes dz = dy · act'(z)
+with its programs' shares of dweight and dbias;
 ``conv_grad_x_kernel`` gathers dx from the W later dz of the same sequence and the final
 state's gradient; ``conv_grad_state_kernel`` does the same for the initial state's
 entries.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -58,13 +60,60 @@ def _tap_weight(weight, cols, mask_d, tap, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_output(z, bias, cols, mask_d, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """y from the taps' sum z ([rows, BD] fp32): plus the bias, then the activation."""
+def _pre_activation(x, state, weight, tokens, position, slots, valid, has_history, cols, mask_d,
+                    D: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
+    """z = Σ_tap w_tap · input(position - (W - 1 - tap)) of the rows ([rows, BD] fp32),
+    the inputs as ``_window_input`` gives them."""
+    z = tl.zeros([position.shape[0], cols.shape[0]], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        shift = W - 1 - tap
+        b_x = _window_input(x, state, tokens - shift, position - shift, slots, valid,
+                            has_history, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
+    return z
+
+
+@triton.jit
+def _add_bias(z, bias, cols, mask_d, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         z += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    return z
+
+
+@triton.jit
+def _starting_sequences(seq, position, valid, n_seqs):
+    """The first and last id of the sequences whose first token is a row of this tile
+    (first > last if none)."""
+    starts = valid & (position == 0)
+    return tl.min(tl.where(starts, seq, n_seqs)), tl.max(tl.where(starts, seq, -1))
+
+
+@triton.jit
+def _head_rows(state_indices, cu_seqlens, length, i_n, W: tl.constexpr, BW: tl.constexpr,
+               USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+    """Sequence i_n's first W - 1 tokens, whose windows reach into the initial state, as
+    the rows of a BW-row tile: their tokens, positions and state slots (int64 [BW]),
+    whether each is a token, and whether it has a history (slot ``state_indices[i_n]``
+    if given; negative: none)."""
+    bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
+    slot = i_n.to(tl.int64)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    position = tl.arange(0, BW).to(tl.int64)
+    slots = slot + position * 0
+    valid = (position < W - 1) & (position < span)
+    return bos + position, position, slots, valid, valid & (slots >= 0)
+
+
+@triton.jit
+def _write_output(y, z, bias, tokens, rows, cols, mask_d, D: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """y = act(z + bias) of the rows where ``rows`` holds."""
+    z = _add_bias(z, bias, cols, mask_d, HAS_BIAS)
     if SILU:
         z = z * tl.sigmoid(z)
-    return z
+    tl.store(y + tokens[:, None] * D + cols[None, :], z.to(y.dtype.element_ty),
+             mask=rows[:, None] & mask_d[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -75,59 +124,28 @@ def causal_conv1d_kernel(
     USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
     """y of a [BT, BD] tile from x alone. With an initial state, a sequence's first W - 1
-    tokens (the only ones reading it) are left to ``_sequence_head``, run by the program
+    tokens (the only ones reading it) are done apart (``_head_rows``) by the program
     holding the sequence's first token: the state's strided gather over every tile's rows
     made this kernel spill and load 2 bytes at a time."""
     cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
                                                          BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
-    z = tl.zeros([BT, BD], dtype=tl.float32)
-    for tap in tl.static_range(W):
-        shift = W - 1 - tap
-        b_x = _window_input(x, state, tokens - shift, position - shift, seq, valid, valid, cols,
-                            mask_d, D, W, False)  # fmt: skip
-        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
-    b_y = _conv_output(z, bias, cols, mask_d, HAS_BIAS, SILU)
-    written = valid
+    z = _pre_activation(x, state, weight, tokens, position, seq, valid, valid, cols, mask_d, D,
+                        W, False)  # fmt: skip
+    rows = valid
     if HAS_STATE:
-        written = valid & (position >= W - 1)
-    tl.store(y + tokens[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty),
-             mask=written[:, None] & mask_d[None, :])  # fmt: skip
+        rows = valid & (position >= W - 1)
+    _write_output(y, z, bias, tokens, rows, cols, mask_d, D, HAS_BIAS, SILU)
     if HAS_STATE:
-        starts = valid & (position == 0)
-        i_n = tl.min(tl.where(starts, seq, n_seqs))
-        last = tl.max(tl.where(starts, seq, -1))
-        while i_n <= last:  # the sequences starting in this tile
-            _sequence_head(x, weight, bias, state, state_indices, cu_seqlens, length, y, i_n,
-                           cols, mask_d, D, W, BW, HAS_BIAS, USE_INDICES, IS_VARLEN,
-                           SILU)  # fmt: skip
+        i_n, last = _starting_sequences(seq, position, valid, n_seqs)
+        while i_n <= last:
+            h_tokens, h_position, slots, h_valid, has_history = _head_rows(
+                state_indices, cu_seqlens, length, i_n, W, BW, USE_INDICES, IS_VARLEN
+            )
+            h_z = _pre_activation(x, state, weight, h_tokens, h_position, slots, h_valid,
+                                  has_history, cols, mask_d, D, W, True)  # fmt: skip
+            _write_output(y, h_z, bias, h_tokens, h_valid, cols, mask_d, D, HAS_BIAS, SILU)
             i_n += 1
-
-
-@triton.jit
-def _sequence_head(x, weight, bias, state, state_indices, cu_seqlens, length, y, i_n, cols,
-                   mask_d, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, USE_INDICES: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
-    """y of sequence i_n's first W - 1 tokens (rows of a [BW, BD] tile), whose windows
-    reach into the initial state (slot ``state_indices[i_n]`` if given; negative: none)."""
-    bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
-    slot = i_n.to(tl.int64)
-    if USE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
-    position = tl.arange(0, BW).to(tl.int64)
-    slots = slot + position * 0
-    valid = (position < W - 1) & (position < span)
-    has_history = valid & (slots >= 0)
-    z = tl.zeros([BW, cols.shape[0]], dtype=tl.float32)
-    for tap in tl.static_range(W):
-        source = position - (W - 1 - tap)
-        b_x = _window_input(x, state, bos + source, source, slots, valid,
-                            has_history, cols, mask_d, D, W, True)  # fmt: skip
-        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
-    b_y = _conv_output(z, bias, cols, mask_d, HAS_BIAS, SILU)
-    tl.store(y + (bos + position)[:, None] * D + cols[None, :], b_y.to(y.dtype.element_ty),
-             mask=valid[:, None] & mask_d[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -142,6 +160,33 @@ def _sequence_span(seq, bos, valid, cu_seqlens, length, IS_VARLEN: tl.constexpr)
 
 
 @triton.jit
+def _grad_z_rows(x, state, weight, bias, grad_y, grad_z, tokens, position, slots, valid,
+                 cols, mask_d, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
+                 SILU: tl.constexpr):  # fmt: skip
+    """dz = dy · act'(z) of the rows where ``valid`` holds, stored to grad_z; returns their
+    Σ dz · input per tap ([BD, BW], taps first W) and Σ dz ([BD])."""
+    z = _pre_activation(x, state, weight, tokens, position, slots, valid, valid, cols, mask_d,
+                        D, W, HAS_STATE)  # fmt: skip
+    z = _add_bias(z, bias, cols, mask_d, HAS_BIAS)
+    mask = valid[:, None] & mask_d[None, :]
+    offsets = tokens[:, None] * D + cols[None, :]
+    b_dz = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SILU:  # silu'(z) = σ(z) (1 + z (1 - σ(z)))
+        sig = tl.sigmoid(z)
+        b_dz = b_dz * sig * (1.0 + z * (1.0 - sig))
+    tl.store(grad_z + offsets, b_dz, mask=mask)
+    taps = tl.arange(0, BW)
+    shares = tl.zeros([cols.shape[0], BW], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        shift = W - 1 - tap
+        b_x = _window_input(x, state, tokens - shift, position - shift, slots, valid, valid,
+                            cols, mask_d, D, W, HAS_STATE)  # fmt: skip
+        shares += tl.where(taps[None, :] == tap, tl.sum(b_dz * b_x, axis=0)[:, None], 0.0)
+    return shares, tl.sum(b_dz, axis=0)
+
+
+@triton.jit
 def conv_grad_z_kernel(
     x, weight, bias, state, cu_seqlens, grad_y, length, n_seqs, grad_z, dweight_parts,
     dbias_parts,
@@ -149,38 +194,37 @@ def conv_grad_z_kernel(
     BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    """dz = dy · act'(z) (fp32, x's layout), z recomputed as ``causal_conv1d_kernel`` does;
-    this program's shares of dweight (``[programs, D, BW]``, taps first W) and dbias
-    (``[programs, D]``), the program numbered over (token block, batch)."""
+    """dz = dy · act'(z) (fp32, x's layout), z recomputed as ``causal_conv1d_kernel`` does
+    (a sequence's first W - 1 tokens apart with a state); this program's shares of dweight
+    (``[programs, D, BW]``, taps first W) and dbias (``[programs, D]``), the program
+    numbered over (token block, batch)."""
     cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
                                                          BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
-    mask = valid[:, None] & mask_d[None, :]
-    taps = tl.arange(0, BW)
-    z = tl.zeros([BT, BD], dtype=tl.float32)
-    for tap in tl.static_range(W):
-        source = position - (W - 1 - tap)
-        b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
-                            valid, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
-        z += b_x * _tap_weight(weight, cols, mask_d, tap, W)[None, :]
-    z = _conv_output(z, bias, cols, mask_d, HAS_BIAS, False)
-    offsets = tokens[:, None] * D + cols[None, :]
-    b_dz = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
-    if SILU:  # silu'(z) = σ(z) (1 + z (1 - σ(z)))
-        sig = tl.sigmoid(z)
-        b_dz = b_dz * sig * (1.0 + z * (1.0 - sig))
-    tl.store(grad_z + offsets, b_dz, mask=mask)
+    rows = valid
+    if HAS_STATE:
+        rows = valid & (position >= W - 1)
+    shares, dbias = _grad_z_rows(x, state, weight, bias, grad_y, grad_z, tokens, position, seq,
+                                 rows, cols, mask_d, D, W, BW, HAS_BIAS, False, SILU)  # fmt: skip
+    if HAS_STATE:
+        i_n, last = _starting_sequences(seq, position, valid, n_seqs)
+        while i_n <= last:
+            h_tokens, h_position, slots, h_valid, _ = _head_rows(
+                None, cu_seqlens, length, i_n, W, BW, False, IS_VARLEN
+            )
+            head_shares, head_dbias = _grad_z_rows(
+                x, state, weight, bias, grad_y, grad_z, h_tokens, h_position, slots, h_valid,
+                cols, mask_d, D, W, BW, HAS_BIAS, True, SILU,
+            )  # fmt: skip
+            shares += head_shares
+            dbias += head_dbias
+            i_n += 1
     part = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    shares = tl.zeros([BD, BW], dtype=tl.float32)
-    for tap in tl.static_range(W):
-        source = position - (W - 1 - tap)
-        b_x = _window_input(x, state, tokens - (W - 1 - tap), source, seq.to(tl.int64), valid,
-                            valid, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
-        shares += tl.where(taps[None, :] == tap, tl.sum(b_dz * b_x, axis=0)[:, None], 0.0)
+    taps = tl.arange(0, BW)
     tl.store(dweight_parts + (part * D + cols[:, None]) * BW + taps[None, :], shares,
              mask=mask_d[:, None])  # fmt: skip
     if HAS_BIAS:
-        tl.store(dbias_parts + part * D + cols, tl.sum(b_dz, axis=0), mask=mask_d)
+        tl.store(dbias_parts + part * D + cols, dbias, mask=mask_d)
 
 
 @triton.jit
@@ -405,8 +449,8 @@ def _taps_of(w0, w1, w2, w3):
 
 @triton.jit
 def conv_step_w4_kernel(
-    x, weight, bias, state_in, state_indices, y, state_out,
-    D: tl.constexpr, BG: tl.constexpr,
+    x, weight, bias, state_in, state_indices, y, state_out, batch,
+    D: tl.constexpr, BG: tl.constexpr, NB: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):  # fmt: skip
@@ -416,15 +460,40 @@ def conv_step_w4_kernel(
     vectors, x and y one, the weight four. Values are regrouped per entry in registers
     (:func:`_entries_of`), where the generic kernel's state rows of 6 bytes cost a 2-byte
     access per value, and the new state (entries 1, 2 and x) is regrouped back the same
-    way. Program (i, n): groups ``[i * BG, (i + 1) * BG)`` of sequence n; the slot's base
-    is the only 64-bit product, offsets inside it are int32.
+    way. Program (i, p): groups ``[i * BG, (i + 1) * BG)`` of sequences ``[p * NB, (p + 1)
+    * NB)``, which share the weights it loads once; a slot's base is the only 64-bit
+    product, offsets inside it are int32.
     """
-    i_d, i_n = tl.program_id(0), tl.program_id(1)
+    i_d, i_p = tl.program_id(0), tl.program_id(1)
     groups = i_d * BG + tl.arange(0, BG)
     lanes = tl.arange(0, 8)
     cols = groups[:, None] * 8 + lanes[None, :]  # [BG, 8] channels
-    values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
     mask = (groups < D // 8)[:, None]
+    # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
+    rows = weight + groups[:, None] * 32 + lanes[None, :]
+    taps = _taps_of(
+        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
+        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
+    )
+    b_bias = tl.zeros([BG, 8], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    for i_s in tl.static_range(NB):
+        i_n = i_p * NB + i_s
+        if i_n < batch:
+            _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask,
+                     taps, b_bias, D, BG, HAS_STATE, USE_INDICES, SILU)  # fmt: skip
+
+
+@triton.jit
+def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask, taps,
+             b_bias, D: tl.constexpr, BG: tl.constexpr, HAS_STATE: tl.constexpr,
+             USE_INDICES: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """Sequence i_n's step in :func:`conv_step_w4_kernel`, the taps regrouped per entry
+    (:func:`_taps_of`) and the bias given."""
+    values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
     slot = i_n
     if USE_INDICES:
         slot = tl.load(state_indices + i_n)
@@ -439,18 +508,9 @@ def conv_step_w4_kernel(
             tl.load(slot_in + values + 8, mask=kept, other=0.0),
             tl.load(slot_in + values + 16, mask=kept, other=0.0),
         )
-    # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
-    rows = weight + groups[:, None] * 32 + lanes[None, :]
-    w0, w1, w2, w3 = _taps_of(
-        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
-    )
+    w0, w1, w2, w3 = taps
     acc = e0.to(tl.float32) * w0 + e1.to(tl.float32) * w1 + e2.to(tl.float32) * w2
-    acc += b_x.to(tl.float32) * w3
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    acc += b_x.to(tl.float32) * w3 + b_bias
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask)
@@ -469,6 +529,10 @@ def _tile_sizes(length: int, channels: int) -> tuple[int, int]:
     return block_t, min(128, triton.next_power_of_2(channels))
 
 
+# Sequences a W = 4 step program updates with one load of its weights.
+STEP_SEQUENCES_PER_PROGRAM = int(os.environ.get("KDA_CONV_STEP_SEQUENCES", "1"))
+
+
 def _launch_step(
     x: Tensor,
     weight: Tensor,
@@ -485,9 +549,12 @@ def _launch_step(
     if width == 4 and channels % 8 == 0:
         # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
         groups = min(128, triton.next_power_of_2(channels // 8))
-        conv_step_w4_kernel[(triton.cdiv(channels // 8, groups), batch)](
-            x, weight, bias, state_in, state_indices, y, state_out,
-            D=channels, BG=groups, num_warps=max(1, min(4, groups // 32)), **flags,
+        per_program = STEP_SEQUENCES_PER_PROGRAM
+        grid = (triton.cdiv(channels // 8, groups), triton.cdiv(batch, per_program))
+        conv_step_w4_kernel[grid](
+            x, weight, bias, state_in, state_indices, y, state_out, batch,
+            D=channels, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)),
+            **flags,
         )  # fmt: skip
         return
     block_d = min(512, triton.next_power_of_2(channels))

@@ -7,19 +7,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
+from kda_ops.kernels.fast_exp import fast_exp, fast_log, fast_sigmoid
 
 
 @triton.jit
 def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
     """Log-decay from ``x = g_raw + dt_bias`` in fp32, ``rate = exp(A_log)``
     (``reference.kda_gate``): the safe gate ``lower_bound · sigmoid(rate · x)``, or
-    ``-rate · softplus(x)`` with the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``."""
+    ``-rate · softplus(x)`` with the overflow-free ``max(x, 0) + log(1 + exp(-|x|))``, the
+    log's argument in (1, 2], where ``fast_log`` is accurate to ~2^-22."""
     if USE_LOWER_BOUND:
         # The chunk prepare kernel evaluates this on every gate element.
         log_decay = lower_bound * fast_sigmoid(rate * x)
     else:
-        log_decay = -rate * (tl.maximum(x, 0.0) + tl.log(1.0 + fast_exp(-tl.abs(x))))
+        log_decay = -rate * (tl.maximum(x, 0.0) + fast_log(1.0 + fast_exp(-tl.abs(x))))
     return log_decay
 
 

@@ -120,11 +120,14 @@ def test_causal_conv1d_backward(dtype, length, with_state, width, activation):
     check_conv_backward(x, weight, bias, initial, None, activation, dtype)
 
 
-def test_causal_conv1d_backward_varlen():
-    x, weight, bias = conv_inputs(torch.float32, 1, 41)
-    cu_seqlens = torch.tensor([0, 2, 3, 40, 41], device=DEVICE)
-    initial = torch.randn(4, 10, 3, device=DEVICE)
-    check_conv_backward(x, weight, None, initial, cu_seqlens, "silu", torch.float32)
+@pytest.mark.parametrize("offsets", [[0, 2, 3, 40, 41], [0, 62, 63, 66, 129, 140]])
+def test_causal_conv1d_backward_varlen(offsets):
+    """Several sequences start in one 64-token tile; in the second case one starts at a
+    tile's last row, so its first W - 1 tokens (which read the state) cross tiles."""
+    x, weight, bias = conv_inputs(torch.float32, 1, offsets[-1])
+    cu_seqlens = torch.tensor(offsets, device=DEVICE)
+    initial = torch.randn(len(offsets) - 1, 10, 3, device=DEVICE)
+    check_conv_backward(x, weight, bias, initial, cu_seqlens, "silu", torch.float32)
     check_conv_backward(x, weight, bias, None, cu_seqlens, "identity", torch.float32)
 
 

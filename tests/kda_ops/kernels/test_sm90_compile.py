@@ -30,6 +30,14 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
         for s, v in itertools.product((False, True), repeat=2)
     },
     **{
+        f"conv_step_w4_kernel/sequences={n}/indices={i}": (
+            "conv", "conv_step_w4_kernel",
+            dict(D=12288, BG=128, NB=n, HAS_BIAS=True, HAS_STATE=True, USE_INDICES=i,
+                 SILU=True),
+        )
+        for n, i in itertools.product((1, 4), (False, True))
+    },
+    **{
         f"kda_gate_kernel/lower_bound={b}": ("gate", "kda_gate_kernel",
                                              dict(GATE, USE_LOWER_BOUND=b))
         for b in (False, True)
@@ -38,7 +46,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
              "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "n_seqs": "i32",
-             "n_rows": "i32", "lower_bound": "fp32"}  # fmt: skip
+             "n_rows": "i32", "batch": "i32", "lower_bound": "fp32"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
