@@ -6,7 +6,11 @@ import torch
 from kda_ops import reference
 from kda_ops.conv import causal_conv1d_backward_reference
 from kda_ops.gated_norm import gated_rms_norm_backward_reference
-from kda_ops.kernels.conv import launch_causal_conv1d, launch_causal_conv1d_backward
+from kda_ops.kernels.conv import (
+    _step_sequences_per_program,
+    launch_causal_conv1d,
+    launch_causal_conv1d_backward,
+)
 from kda_ops.kernels.gate import launch_kda_gate
 from kda_ops.kernels.gated_norm import launch_gated_rms_norm, launch_gated_rms_norm_backward
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
@@ -165,15 +169,27 @@ def test_causal_conv1d_varlen_pool_heads():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("channels", [8, 24, 1040])  # 1040: a second, partial block
-def test_conv_step_width4_vector_path(dtype, with_state, channels):
-    """W = 4, D % 8 == 0: the decode step regroups 8 channels' state in registers."""
-    x, weight, bias = conv_inputs(dtype, 3, 1, channels=channels)
-    initial = torch.randn(3, channels, 3, device=DEVICE, dtype=dtype) if with_state else None
-    state = torch.empty(3, channels, 3, device=DEVICE, dtype=dtype)
+@pytest.mark.parametrize("batch", [3, 9])
+def test_conv_step_width4_vector_path(dtype, with_state, channels, batch):
+    """W = 4, D % 8 == 0: the decode step regroups 8 channels' state in registers. On the
+    interpreter (one processor) D = 1040 puts 2 (B = 3) or 8 (B = 9) sequences in a program,
+    the last program partly empty."""
+    x, weight, bias = conv_inputs(dtype, batch, 1, channels=channels)
+    initial = torch.randn(batch, channels, 3, device=DEVICE, dtype=dtype) if with_state else None
+    state = torch.empty(batch, channels, 3, device=DEVICE, dtype=dtype)
     y = launch_causal_conv1d(x, weight, bias, initial, state, None, None, "silu")
     y_ref, state_ref = reference.causal_conv1d(x, weight, bias, initial, None, "silu")
     assert relative_error(y, y_ref) < TOLERANCE[dtype]
     torch.testing.assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize(
+    ("programs", "expected"),
+    [(3072, 8), (2111, 4), (768, 2), (527, 1), (12, 1)],  # D = 12288: B = 256, 64, 1
+)
+def test_conv_step_sequences_per_program(programs, expected):
+    """Sequences share a program only while two programs are left for each of 132 SMs."""
+    assert _step_sequences_per_program(programs, processors=132) == expected
 
 
 def test_conv_step_width4_pool_in_place_mixed_dtypes():
