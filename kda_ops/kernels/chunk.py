@@ -116,19 +116,6 @@ def inverse_unit_lower(a):
 
 
 @triton.jit
-def _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV: tl.constexpr, K: tl.constexpr,
-                   SCALAR_GATE: tl.constexpr):  # fmt: skip
-    """Raw gate rows of ``tokens`` in g's dtype, zero past the sequence's end: ``[R, BK]``,
-    or ``[R]`` for a scalar gate."""
-    if SCALAR_GATE:
-        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
-    else:
-        raw_g = tl.load(g + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
-                        mask=in_seq[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-    return raw_g
-
-
-@triton.jit
 def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask_k, offs_v,
                 mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 SCALAR_GATE: tl.constexpr):  # fmt: skip
@@ -141,7 +128,10 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
     in_seq = i_b * BLOCK + sub < remaining
     mask = in_seq[:, None] & mask_k[None, :]
     value_rows = (tokens * HV + i_hv)[:, None]
-    raw_g = _load_raw_gate(g, tokens, in_seq, i_hv, offs_k, mask_k, HV, K, SCALAR_GATE)
+    if SCALAR_GATE:
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    else:
+        raw_g = tl.load(g + value_rows * K + offs_k[None, :], mask=mask, other=0.0)
     key_rows = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
     r_q = tl.load(q + key_rows, mask=mask, other=0.0)
     r_k = tl.load(k + key_rows, mask=mask, other=0.0)
