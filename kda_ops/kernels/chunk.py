@@ -27,12 +27,10 @@ with its blocks' pairs split dyadically (four levels of two dots, every factor a
 (the safe gate's only path, and TensorRT's single-launch plugin); without the safe gate
 ``launch_chunk_kda`` launches twice, ``"bounded"`` (every chunk dense, flagging those
 out of range in an int8 ``[chunks, HV]`` buffer) then ``"unbounded"`` (the flagged ones,
-dyadic), so that each launch compiles one path. sm_90 SASS, softplus gate, K = 128,
-pointers aligned as launched: the bounded launch 6.6K instructions a thread and 64 bytes
-of stack (the safe gate's kernel 5.9K). Compiled without pointer alignment (scalar
-loads, so only the differences count), the bounded launch had 8.2K instructions and
-240 bytes of stack, checking the decays in a pass of their own cost 1.8K more, and one
-kernel holding both paths had 992 bytes of stack.
+dyadic), so that each launch compiles one path. sm_90 SASS, K = 128, 8 warps, pointers
+aligned as launched: the bounded launch (softplus gate) 5920 instructions a thread, the
+safe gate's 5864; one kernel holding both paths had 992 bytes of stack (without pointer
+alignment) where the bounded launch has 72.
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
