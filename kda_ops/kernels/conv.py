@@ -524,19 +524,17 @@ def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols,
     tl.store(slot_out + values + 16, c, mask=kept)
 
 
-# Rows and warps of a token tile (prefill and backward kernels): 16 values a thread.
-# At 64 rows and 4 warps (64 values a thread) the prefill kernel took 168 registers with a
-# state and 255 without, the backward's dz and dx kernels 240 and 250 (sm_90, D = 4096,
-# W = 4): 2 or 3 programs of 4 warps an SM, too few loads in flight for kernels that
-# stream their tensors once (the prefill: 1.8 TB/s in the hybrid prefill). At 32 rows and
-# 8 warps: 61 / 64, 76 and 88 registers.
-TILE_ROWS, TILE_WARPS = 32, 8
+# Token rows of a program's tile (4 warps, 128 channels). H200, T = 8192, D = 4096, W = 4,
+# CUDA-graph timing: the prefill with a state took 47.4 us at 32 rows, 49.3 at 64 and
+# 85.7 at 32 rows on 8 warps (sm_90: 96 registers at 32 rows, 168 at 64); forward and
+# backward took 1063 us with the backward's dz / dx kernels at 64 rows, 1126 at 32.
+PREFILL_ROWS, BACKWARD_ROWS = 32, 64
 
 
-def _tile_sizes(length: int, channels: int) -> tuple[int, int]:
-    """(BT, BD): tokens and channels of a program's tile (``_token_block``) in the prefill
-    and backward kernels."""
-    block_t = min(TILE_ROWS, triton.next_power_of_2(max(length, 1)))
+def _tile_sizes(rows: int, length: int, channels: int) -> tuple[int, int]:
+    """(BT, BD): tokens (at most ``rows``) and channels of a program's tile
+    (``_token_block``) in the prefill and backward kernels."""
+    block_t = min(rows, triton.next_power_of_2(max(length, 1)))
     return block_t, min(128, triton.next_power_of_2(channels))
 
 
@@ -623,14 +621,14 @@ def launch_causal_conv1d(
         flags.update(HAS_BIAS=bias is not None, SILU=activation == "silu")
         _launch_step(x, weight, bias, state_in, state_out, state_indices, y, flags)
         return y
-    block_t, block_d = _tile_sizes(length, channels)
+    block_t, block_d = _tile_sizes(PREFILL_ROWS, length, channels)
     flags["IS_VARLEN"] = cu_seqlens is not None
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     kept = triton.next_power_of_2(width - 1)
     causal_conv1d_kernel[grid](
         x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y,
         D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs), BW=kept,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", **flags, num_warps=TILE_WARPS,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", **flags,
     )  # fmt: skip
     conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
         x, state_in, state_indices, cu_seqlens, length, state_out,
@@ -661,7 +659,7 @@ def launch_causal_conv1d_backward(
     batch, length, channels = x.shape
     width = weight.shape[1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    block_t, block_d = _tile_sizes(length, channels)
+    block_t, block_d = _tile_sizes(BACKWARD_ROWS, length, channels)
     block_w = triton.next_power_of_2(width)
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     programs = grid[0] * grid[2]
@@ -674,13 +672,12 @@ def launch_causal_conv1d_backward(
     conv_grad_z_kernel[grid](
         x, weight, bias, initial_state, cu_seqlens, grad_y, length, n_seqs, grad_z,
         dweight_parts, dbias_parts, **shape, **seqs, BW=block_w, HAS_BIAS=bias is not None,
-        HAS_STATE=initial_state is not None, SILU=activation == "silu", num_warps=TILE_WARPS,
+        HAS_STATE=initial_state is not None, SILU=activation == "silu",
     )  # fmt: skip
     dx = torch.empty_like(x)
     conv_grad_x_kernel[grid](
-        grad_z, weight, grad_final_state, cu_seqlens, length, n_seqs, dx, **shape, **seqs,
-        num_warps=TILE_WARPS,
-    )  # fmt: skip
+        grad_z, weight, grad_final_state, cu_seqlens, length, n_seqs, dx, **shape, **seqs
+    )
     d_state = x.new_empty(0)
     if initial_state is not None:
         d_state = torch.empty_like(initial_state)

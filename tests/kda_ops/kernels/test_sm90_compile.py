@@ -12,22 +12,22 @@ import sys
 
 import pytest
 
-from kda_ops.kernels.conv import TILE_ROWS, TILE_WARPS
+from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CONV = dict(D=4096, W=4, BT=TILE_ROWS, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
+CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
 GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
-VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, warps, default 4])
+VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
-            dict(CONV, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v), TILE_WARPS,
+            dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v),
         )
         for s, i, v in itertools.product((False, True), repeat=3)
     },
     **{
         f"conv_grad_z_kernel/state={s}/varlen={v}": (
-            "conv", "conv_grad_z_kernel", dict(CONV, HAS_STATE=s, IS_VARLEN=v), TILE_WARPS
+            "conv", "conv_grad_z_kernel", dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v)
         )
         for s, v in itertools.product((False, True), repeat=2)
     },
@@ -57,7 +57,7 @@ from triton.compiler import ASTSource
 
 variants, arg_types = (json.loads(a) for a in sys.argv[1:])
 results = {}
-for name, (module, kernel_name, constexprs, *warps) in variants.items():
+for name, (module, kernel_name, constexprs) in variants.items():
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
@@ -70,8 +70,7 @@ for name, (module, kernel_name, constexprs, *warps) in variants.items():
     source = ASTSource(kernel, signature, attrs=attrs, constexprs={
         (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
-        options = {"num_warps": (warps or [4])[0]}
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         results[name] = "ok"
     except Exception as error:
         results[name] = f"{type(error).__name__}: {error}"
