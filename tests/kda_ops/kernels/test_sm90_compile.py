@@ -12,20 +12,22 @@ import sys
 
 import pytest
 
+from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CONV = dict(D=4096, W=4, BT=64, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
+CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
 GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
 VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
-            dict(CONV, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v),
+            dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v),
         )
         for s, i, v in itertools.product((False, True), repeat=3)
     },
     **{
         f"conv_grad_z_kernel/state={s}/varlen={v}": (
-            "conv", "conv_grad_z_kernel", dict(CONV, HAS_STATE=s, IS_VARLEN=v)
+            "conv", "conv_grad_z_kernel", dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v)
         )
         for s, v in itertools.product((False, True), repeat=2)
     },
