@@ -200,7 +200,7 @@ def _conv_constexprs(config: Mapping[str, object]) -> dict[str, object]:
         D=channels, W=width, BT=CONV_BLOCK_T, BD=min(triton.next_power_of_2(channels), 256),
         BN=1, BW=triton.next_power_of_2(width - 1), HAS_BIAS=True, HAS_STATE=True,
         USE_INDICES=False, IS_VARLEN=False,
-        SILU=config.get("activation", "silu") == "silu",
+        SILU=config.get("activation", "silu") == "silu", FINAL_STATE=False,
     )  # fmt: skip
 
 
@@ -299,7 +299,7 @@ PLUGINS: dict[str, PluginKernel] = {
         inputs=("x", "weight", "bias", "state"),
         int_args={"length": lambda s: s["x"][1], "n_seqs": lambda s: s["x"][0]},
         outputs=("y",),
-        absent=("state_indices", "cu_seqlens"),
+        absent=("state_indices", "cu_seqlens", "state_out"),
         constexprs=_conv_constexprs,
         grid=lambda s, c: (
             cdiv(s["x"][1], c["BT"]),

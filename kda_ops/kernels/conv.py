@@ -1,9 +1,10 @@
 """Depthwise causal conv1d: a token-parallel output kernel (a sequence's first ``W - 1``
 tokens, which read the initial state, done apart by the program holding the sequence's
-start) and a sequence-parallel kernel that writes the final conv state (the last ``W - 1``
-inputs); for one token per sequence (decode) a single kernel does both in one pass over
-the state: for W = 4 and D % 8 == 0 one that moves only 16-byte vectors
-(:func:`conv_step_w4_kernel`), else a generic one.
+start) that also writes the final conv state (the last ``W - 1`` inputs) of batch rows
+from their last token block, else a sequence-parallel kernel writes it (packed
+sequences, a pool rewritten in place); for one token per sequence (decode) a single
+kernel does both in one pass over the state: for W = 4 and D % 8 == 0 one that moves only
+16-byte vectors (:func:`conv_step_w4_kernel`), else a generic one.
 
 Layouts: x ``[B, T, D]`` (or packed ``[1, T_total, D]`` with ``cu_seqlens``); weight
 ``[D, W]``; state ``[N, D, W - 1]``, entry ``j`` holding the input ``W - 1 - j`` tokens
@@ -120,15 +121,18 @@ def _write_output(y, z, bias, tokens, rows, cols, mask_d, D: tl.constexpr,
 
 @triton.jit
 def causal_conv1d_kernel(
-    x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y,
+    x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y, state_out,
     D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
     BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
     USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+    FINAL_STATE: tl.constexpr,
 ):  # fmt: skip
     """y of a [BT, BD] tile from x alone. With an initial state, a sequence's first W - 1
     tokens (the only ones reading it) are done apart (``_head_rows``) by the program
     holding the sequence's first token: the state's strided gather over every tile's rows
-    made this kernel spill and load 2 bytes at a time."""
+    made this kernel spill and load 2 bytes at a time. With ``FINAL_STATE`` (batch rows,
+    not packed; ``state_out`` not ``state``) the program of a row's last token block also
+    writes its final state, which otherwise ``conv_final_state_kernel`` does."""
     cols, mask_d, tokens, seq, bos, valid = _token_block(cu_seqlens, n_seqs, length, D, BT, BD,
                                                          BN, IS_VARLEN)  # fmt: skip
     position = tokens - bos
@@ -148,6 +152,11 @@ def causal_conv1d_kernel(
                                   has_history, cols, mask_d, D, W, True)  # fmt: skip
             _write_output(y, h_z, bias, h_tokens, h_valid, cols, mask_d, D, HAS_BIAS, SILU)
             i_n += 1
+    if FINAL_STATE:
+        i_t, i_b = tl.program_id(0), tl.program_id(2)
+        if i_t == tl.cdiv(length, BT) - 1:  # the batch row's last token block
+            _write_final_state(x, state, state_indices, cu_seqlens, length, state_out, i_b,
+                               cols, D, W, BW, HAS_STATE, USE_INDICES, False)  # fmt: skip
 
 
 @triton.jit
@@ -314,16 +323,15 @@ def conv_grad_state_kernel(
 
 
 @triton.jit
-def conv_final_state_kernel(
-    x, state_in, state_indices, cu_seqlens, length, state_out,
-    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-    HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    i_n, i_d = tl.program_id(0), tl.program_id(1)
-    bos, length = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
-    cols = i_d * BD + tl.arange(0, BD)
+def _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n, cols,
+                       D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                       HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):  # fmt: skip
+    """Sequence i_n's final state for the channels ``cols``: its last W - 1 inputs, those
+    before its start taken from its initial state (zeros without one)."""
+    bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
     entries = tl.arange(0, BW)
-    source = length - (W - 1) + entries  # position of the input each entry keeps
+    source = span - (W - 1) + entries  # position of the input each entry keeps
     mask = (cols < D)[:, None] & (entries < W - 1)[None, :]
     slot = i_n.to(tl.int64)
     if USE_INDICES:
@@ -341,6 +349,18 @@ def conv_final_state_kernel(
         b_state += old.to(tl.float32)
     tl.store(state_out + state_offsets + entries[None, :],
              b_state.to(state_out.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def conv_final_state_kernel(
+    x, state_in, state_indices, cu_seqlens, length, state_out,
+    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_n, i_d = tl.program_id(0), tl.program_id(1)
+    _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n,
+                       i_d * BD + tl.arange(0, BD), D, W, BW, HAS_STATE, USE_INDICES,
+                       IS_VARLEN)  # fmt: skip
 
 
 @triton.jit
@@ -625,15 +645,20 @@ def launch_causal_conv1d(
     flags["IS_VARLEN"] = cu_seqlens is not None
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
     kept = triton.next_power_of_2(width - 1)
+    # Rows of a batch end in their last token block, whose program can write the final
+    # state, unless the state is rewritten in place (other programs still read it) or
+    # packed sequences may be empty (no program holds them): then a second kernel.
+    fused = cu_seqlens is None and length > 0 and state_out is not state_in
     causal_conv1d_kernel[grid](
-        x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y,
+        x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y, state_out,
         D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs), BW=kept,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", **flags,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", FINAL_STATE=fused, **flags,
     )  # fmt: skip
-    conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
-        x, state_in, state_indices, cu_seqlens, length, state_out,
-        D=channels, W=width, BD=block_d, BW=kept, **flags,
-    )  # fmt: skip
+    if not fused:
+        conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
+            x, state_in, state_indices, cu_seqlens, length, state_out,
+            D=channels, W=width, BD=block_d, BW=kept, **flags,
+        )  # fmt: skip
     return y
 
 

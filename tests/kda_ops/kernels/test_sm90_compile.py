@@ -21,7 +21,9 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
-            dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v),
+            # The final state in this kernel unless packed or a pool rewritten in place.
+            dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v,
+                 FINAL_STATE=not (i or v)),
         )
         for s, i, v in itertools.product((False, True), repeat=3)
     },
