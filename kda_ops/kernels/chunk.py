@@ -50,6 +50,7 @@ from torch import Tensor
 from kda_ops import reference
 from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
 from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -626,8 +627,8 @@ def launch_chunk_kda(
     # An upper bound with packed sequences (no host sync); programs past the end exit.
     n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
     # tl.dot needs every dim >= 16; masks cover the padding.
-    block_k = max(16, triton.next_power_of_2(head_k))
-    block_v = max(16, triton.next_power_of_2(head_v))
+    block_k = max(16, next_power_of_2(head_k))
+    block_v = max(16, next_power_of_2(head_v))
     flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                           use_beta_sigmoid)  # fmt: skip
     precision = flags["DOT_PRECISION"]
@@ -647,7 +648,7 @@ def launch_chunk_kda(
             scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
             chunk_decay, w, u, qg, kd, aqk, unbounded,
             H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-            BN=triton.next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
+            BN=next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
             # No register cap: at 8 warps a 128-register cap fits two programs per SM but
             # spills, 2688 us against 2178 us uncapped (H200, T = 8192, H = 96, bf16).
             num_warps=4 if block_k <= 64 else 8,
@@ -717,10 +718,10 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     w, u, qg, kd, aqk, chunk_decay = intermediates
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
-    block_k = max(16, triton.next_power_of_2(head_k))
-    block_v = max(16, triton.next_power_of_2(state_width))
+    block_k = max(16, next_power_of_2(head_k))
+    block_v = max(16, next_power_of_2(state_width))
     split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
-    chunk_recurrence_kernel[(triton.cdiv(state_width, split_v), n_seqs * value_heads)](
+    chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
         HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,

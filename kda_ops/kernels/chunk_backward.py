@@ -96,6 +96,7 @@ from kda_ops.kernels.chunk import (
     unit_rows,
 )
 from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -920,13 +921,13 @@ def launch_chunk_kda_backward(
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
 
-    block_k = max(16, triton.next_power_of_2(head_k))  # tl.dot needs dims >= 16
-    block_v = max(16, triton.next_power_of_2(head_v))
+    block_k = max(16, next_power_of_2(head_k))  # tl.dot needs dims >= 16
+    block_v = max(16, next_power_of_2(head_v))
     flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                           use_beta_sigmoid)  # fmt: skip
     precision = flags["DOT_PRECISION"]
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
-                 BN=triton.next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
+                 BN=next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
     gate_args = (A_log, dt_bias, cu_seqlens, offsets)
     lower = 0.0 if lower_bound is None else lower_bound
     warps = 4 if block_k <= 64 else 8
@@ -968,7 +969,7 @@ def launch_chunk_kda_backward(
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
     split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
-    chunk_bwd_state_kernel[(triton.cdiv(head_v, split_v), n_seqs * value_heads)](
+    chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
@@ -1000,7 +1001,7 @@ def launch_chunk_kda_backward(
     # The pairs kernel splits the key columns (N_K blocks): the sums over them (dβ, the
     # scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back as shares.
     pair_k = pairs_key_columns(block_k, q.device)
-    n_k = triton.cdiv(head_k, pair_k)
+    n_k = cdiv(head_k, pair_k)
     scalar_gate = g.dim() == 3
     dg = torch.empty(*tokens_shape, n_k, **f32) if scalar_gate else torch.empty_like(g)
     dbeta_part = torch.empty(*tokens_shape, n_k, **f32)
@@ -1017,7 +1018,7 @@ def launch_chunk_kda_backward(
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):
-        chunk_bwd_qk_kernel[(triton.cdiv(batch * length, 32), heads)](
+        chunk_bwd_qk_kernel[(cdiv(batch * length, 32), heads)](
             x, d_unit, batch * length, dx, H=heads, HV=value_heads, K=head_k, BK=block_k,
             BT=32, USE_L2NORM=use_qk_l2norm, num_warps=4,
         )  # fmt: skip

@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.fast_exp import fast_sigmoid
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -554,8 +555,8 @@ PREFILL_ROWS, BACKWARD_ROWS = 32, 64
 def _tile_sizes(rows: int, length: int, channels: int) -> tuple[int, int]:
     """(BT, BD): tokens (at most ``rows``) and channels of a program's tile
     (``_token_block``) in the prefill and backward kernels."""
-    block_t = min(rows, triton.next_power_of_2(max(length, 1)))
-    return block_t, min(128, triton.next_power_of_2(channels))
+    block_t = min(rows, next_power_of_2(max(length, 1)))
+    return block_t, min(128, next_power_of_2(channels))
 
 
 def _step_sequences_per_program(programs: int, processors: int) -> int:
@@ -592,20 +593,20 @@ def _launch_step(
     width = weight.shape[1]
     if width == 4 and channels % 8 == 0:
         # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
-        groups = min(128, triton.next_power_of_2(channels // 8))
-        programs = triton.cdiv(channels // 8, groups) * batch
+        groups = min(128, next_power_of_2(channels // 8))
+        programs = cdiv(channels // 8, groups) * batch
         per_program = _step_sequences_per_program(programs, _processors(x.device))
-        grid = (triton.cdiv(channels // 8, groups), triton.cdiv(batch, per_program))
+        grid = (cdiv(channels // 8, groups), cdiv(batch, per_program))
         conv_step_w4_kernel[grid](
             x, weight, bias, state_in, state_indices, y, state_out, batch,
             D=channels, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)),
             **flags,
         )  # fmt: skip
         return
-    block_d = min(512, triton.next_power_of_2(channels))
-    conv_step_kernel[(triton.cdiv(channels, block_d), batch)](
+    block_d = min(512, next_power_of_2(channels))
+    conv_step_kernel[(cdiv(channels, block_d), batch)](
         x, weight, bias, state_in, state_indices, y, state_out,
-        D=channels, W=width, BD=block_d, BW=triton.next_power_of_2(width), **flags,
+        D=channels, W=width, BD=block_d, BW=next_power_of_2(width), **flags,
     )  # fmt: skip
 
 
@@ -643,19 +644,19 @@ def launch_causal_conv1d(
         return y
     block_t, block_d = _tile_sizes(PREFILL_ROWS, length, channels)
     flags["IS_VARLEN"] = cu_seqlens is not None
-    grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
-    kept = triton.next_power_of_2(width - 1)
+    grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
+    kept = next_power_of_2(width - 1)
     # Rows of a batch end in their last token block, whose program can write the final
     # state, unless the state is rewritten in place (other programs still read it) or
     # packed sequences may be empty (no program holds them): then a second kernel.
     fused = cu_seqlens is None and length > 0 and state_out is not state_in
     causal_conv1d_kernel[grid](
         x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y, state_out,
-        D=channels, W=width, BT=block_t, BD=block_d, BN=triton.next_power_of_2(n_seqs), BW=kept,
+        D=channels, W=width, BT=block_t, BD=block_d, BN=next_power_of_2(n_seqs), BW=kept,
         HAS_BIAS=bias is not None, SILU=activation == "silu", FINAL_STATE=fused, **flags,
     )  # fmt: skip
     if not fused:
-        conv_final_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
+        conv_final_state_kernel[(n_seqs, cdiv(channels, block_d))](
             x, state_in, state_indices, cu_seqlens, length, state_out,
             D=channels, W=width, BD=block_d, BW=kept, **flags,
         )  # fmt: skip
@@ -685,15 +686,15 @@ def launch_causal_conv1d_backward(
     width = weight.shape[1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_t, block_d = _tile_sizes(BACKWARD_ROWS, length, channels)
-    block_w = triton.next_power_of_2(width)
-    grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_d), batch)
+    block_w = next_power_of_2(width)
+    grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
     programs = grid[0] * grid[2]
     grad_z = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     dweight_parts = torch.empty(programs, channels, block_w, device=x.device,
                                 dtype=torch.float32)  # fmt: skip
     dbias_parts = torch.empty(programs, channels, device=x.device, dtype=torch.float32)
     shape = dict(D=channels, W=width, BD=block_d, IS_VARLEN=cu_seqlens is not None)
-    seqs = dict(BT=block_t, BN=triton.next_power_of_2(n_seqs))
+    seqs = dict(BT=block_t, BN=next_power_of_2(n_seqs))
     conv_grad_z_kernel[grid](
         x, weight, bias, initial_state, cu_seqlens, grad_y, length, n_seqs, grad_z,
         dweight_parts, dbias_parts, **shape, **seqs, BW=block_w, HAS_BIAS=bias is not None,
@@ -706,9 +707,9 @@ def launch_causal_conv1d_backward(
     d_state = x.new_empty(0)
     if initial_state is not None:
         d_state = torch.empty_like(initial_state)
-        conv_grad_state_kernel[(n_seqs, triton.cdiv(channels, block_d))](
+        conv_grad_state_kernel[(n_seqs, cdiv(channels, block_d))](
             grad_z, weight, grad_final_state, cu_seqlens, length, d_state, **shape,
-            BW=triton.next_power_of_2(width - 1),
+            BW=next_power_of_2(width - 1),
         )  # fmt: skip
     dweight = dweight_parts[..., :width].sum(0).to(weight.dtype)
     dbias = x.new_empty(0) if bias is None else dbias_parts.sum(0).to(bias.dtype)

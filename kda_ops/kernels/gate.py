@@ -8,6 +8,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.fast_exp import fast_exp, fast_log, fast_sigmoid
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -50,9 +51,9 @@ def launch_kda_gate(
     out = torch.empty_like(g, dtype=torch.float32)
     heads, channels = g.shape[-2], g.shape[-1]
     n_rows = g.numel() // channels if channels else 0
-    block_k = triton.next_power_of_2(channels)
+    block_k = next_power_of_2(channels)
     rows = max(1, min(128, 8192 // block_k))
-    kda_gate_kernel[(triton.cdiv(n_rows, rows),)](
+    kda_gate_kernel[(cdiv(n_rows, rows),)](
         g, A_log, dt_bias, 0.0 if lower_bound is None else lower_bound, n_rows, out,
         HV=heads, K=channels, BK=block_k, ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None,

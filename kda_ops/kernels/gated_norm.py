@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
+
 # Elements per program and warps, measured on an H200 (benchmarks/ops.py).
 ROW_BLOCK_ELEMENTS = 2048
 NUM_WARPS = 4
@@ -69,7 +71,7 @@ def gated_rms_norm_backward_kernel(
 def _row_blocks(x: Tensor) -> dict[str, int]:
     """Rows, padded width and rows per program of ``x [..., D]`` for both kernels."""
     width = x.shape[-1]
-    block_d = triton.next_power_of_2(width)
+    block_d = next_power_of_2(width)
     return dict(n_rows=x.numel() // width if width else 0, D=width, BD=block_d,
                 ROWS=max(1, ROW_BLOCK_ELEMENTS // block_d))  # fmt: skip
 
@@ -82,7 +84,7 @@ def launch_gated_rms_norm(
     y = torch.empty_like(x)
     shape = _row_blocks(x)
     n_rows = shape.pop("n_rows")
-    gated_rms_norm_kernel[(triton.cdiv(n_rows, shape["ROWS"]),)](
+    gated_rms_norm_kernel[(cdiv(n_rows, shape["ROWS"]),)](
         x, gate, weight, eps, n_rows, y,
         **shape, SILU=activation == "silu", num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -99,7 +101,7 @@ def launch_gated_rms_norm_backward(
     dx, dgate = torch.empty_like(x), torch.empty_like(gate)
     shape = _row_blocks(x)
     n_rows = shape.pop("n_rows")
-    programs = triton.cdiv(n_rows, shape["ROWS"])
+    programs = cdiv(n_rows, shape["ROWS"])
     dweight_parts = torch.empty(programs, shape["D"], device=x.device, dtype=torch.float32)
     gated_rms_norm_backward_kernel[(programs,)](
         x, gate, weight, grad_y, eps, n_rows, dx, dgate, dweight_parts,

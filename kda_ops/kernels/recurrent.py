@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kda_ops.kernels.chunk import L2NORM_EPS
 from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -127,9 +128,9 @@ def launch_recurrent_kda(
     value_heads, head_v = v.shape[2], v.shape[3]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v)
-    block_k = triton.next_power_of_2(head_k)
-    block_v = min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16)
-    grid = (triton.cdiv(head_v, block_v), n_seqs * value_heads)
+    block_k = next_power_of_2(head_k)
+    block_v = min(next_power_of_2(head_v), 32 if block_k <= 128 else 16)
+    grid = (cdiv(head_v, block_v), n_seqs * value_heads)
     recurrent_kda_kernel[grid](
         q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
         scale, 0.0 if lower_bound is None else lower_bound, length, o, state_out, step_states,
