@@ -24,6 +24,7 @@ from torch import Tensor
 
 from kda_ops.affine import DeltaRuleConfig, apply_map, prefix_states, resolve_config, segment_maps
 from kda_ops.delta_rule import chunk_op
+from kda_ops.kernels.sizes import processors
 from kda_ops.validation import ArgumentChecker
 
 MIN_SEGMENT_LENGTH = 4096
@@ -36,7 +37,7 @@ def plan_segments(batch: int, length: int, value_heads: int, device: torch.devic
     SM count, ``length % S == 0`` and ``length / S >= MIN_SEGMENT_LENGTH``."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = processors(device)
     segments = 1
     while (
         segments * 2 <= MAX_SEGMENTS

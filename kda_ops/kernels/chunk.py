@@ -50,7 +50,7 @@ from torch import Tensor
 from kda_ops import reference
 from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
 from kda_ops.kernels.gate import gate_activation
-from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -577,7 +577,7 @@ def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) 
     CUDA (the interpreter) 32, so that CI covers several value blocks."""
     if device.type != "cuda":
         return min(block_v, 32)
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = processors(device)
     for columns in (32, 64):
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
@@ -700,7 +700,7 @@ def recurrence_segments(
     ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Fixed length on CUDA only."""
     if cu_seqlens is not None or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = processors(device)
     segments = 1
     while (
         batch * value_heads * segments * 2 <= sms

@@ -21,7 +21,6 @@ state's gradient; ``conv_grad_state_kernel`` does the same for the initial state
 entries.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.fast_exp import fast_sigmoid
-from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
 
 
 @triton.jit
@@ -559,23 +558,15 @@ def _tile_sizes(rows: int, length: int, channels: int) -> tuple[int, int]:
     return block_t, min(128, next_power_of_2(channels))
 
 
-def _step_sequences_per_program(programs: int, processors: int) -> int:
+def _step_sequences_per_program(programs: int, sms: int) -> int:
     """NB of :func:`conv_step_w4_kernel` given its program count at NB = 1: up to 8
-    sequences share a program's weight load while at least two programs a processor
-    remain. H200, D = 12288, B = 256 (3072 programs at NB = 1), CUDA graph: 17.2 us at
-    NB = 1, 16.9 at 2 and at 4, 16.4 at 8."""
+    sequences share a program's weight load while at least two programs an SM remain.
+    H200, D = 12288, B = 256 (3072 programs at NB = 1), CUDA graph: 17.2 us at NB = 1,
+    16.9 at 2 and at 4, 16.4 at 8."""
     per_program = 8
-    while per_program > 1 and programs < 2 * per_program * processors:
+    while per_program > 1 and programs < 2 * per_program * sms:
         per_program //= 2
     return per_program
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 for the CPU interpreter."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_step(
@@ -595,7 +586,7 @@ def _launch_step(
         # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
         groups = min(128, next_power_of_2(channels // 8))
         programs = cdiv(channels // 8, groups) * batch
-        per_program = _step_sequences_per_program(programs, _processors(x.device))
+        per_program = _step_sequences_per_program(programs, processors(x.device))
         grid = (cdiv(channels // 8, groups), cdiv(batch, per_program))
         conv_step_w4_kernel[grid](
             x, weight, bias, state_in, state_indices, y, state_out, batch,

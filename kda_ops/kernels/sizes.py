@@ -7,6 +7,10 @@ hybrid model made ~90 such calls from our launchers. These are the same arithmet
 host ints.
 """
 
+import functools
+
+import torch
+
 
 def cdiv(numerator: int, denominator: int) -> int:
     """``ceil(numerator / denominator)`` for positive ints."""
@@ -16,3 +20,12 @@ def cdiv(numerator: int, denominator: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two at least ``n`` (``n >= 1``)."""
     return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (queried once per device); 1 elsewhere
+    (Triton's interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

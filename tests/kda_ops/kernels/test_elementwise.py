@@ -189,7 +189,7 @@ def test_conv_step_width4_vector_path(dtype, with_state, channels, batch):
 )
 def test_conv_step_sequences_per_program(programs, expected):
     """Sequences share a program only while two programs are left for each of 132 SMs."""
-    assert _step_sequences_per_program(programs, processors=132) == expected
+    assert _step_sequences_per_program(programs, sms=132) == expected
 
 
 def test_conv_step_width4_pool_in_place_mixed_dtypes():
