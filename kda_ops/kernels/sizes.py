@@ -13,7 +13,7 @@ import torch
 
 
 def cdiv(numerator: int, denominator: int) -> int:
-    """``ceil(numerator / denominator)`` for positive ints."""
+    """``ceil(numerator / denominator)`` (numerator >= 0, denominator >= 1)."""
     return -(-numerator // denominator)
 
 
