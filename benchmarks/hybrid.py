@@ -2,10 +2,11 @@
 short-conv kernels (how people run it today) vs (b) ``torch.compile(backend="kda")``, in one
 process.
 
-Prefill: B = 1, T = 8192, tokens/s. Decode: B = 64 after a 512-token prompt, in-place
-``decode_`` (b: ``mode="reduce-overhead"``, CUDA graphs), tokens/s. Prints a table with the
-ratios and writes nothing. Needs a CUDA GPU and ``fla-core`` (run with
-``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
+Prefill: B = 1, T = 8192, tokens/s, into caches allocated before the timed calls (a
+second row allocates each in the call, as rows before the ninth session did). Decode:
+B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhead"``, CUDA
+graphs), tokens/s. Prints a table with the ratios and writes nothing. Needs a CUDA GPU
+and ``fla-core`` (run with ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
 
     python benchmarks/hybrid.py            # Kimi-Linear dims, 4 layers (3 KDA + 1 attention)
     python benchmarks/hybrid.py --quick    # small sizes, a smoke run
@@ -89,11 +90,24 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def prefill_tokens_per_s(model: HybridLM, prefill: Callable, s: Sizes) -> float:
+def prefill_tokens_per_s(
+    model: HybridLM, prefill: Callable, s: Sizes, allocate_in_call: bool = False
+) -> float:
+    """Tokens/s of a prefill into an empty cache. The caches are allocated before the timed
+    calls, as a server's state pool is and as decode's cache is here; ``allocate_in_call``
+    allocates (and zero-fills) each in the timed call instead, as the rows before the
+    ninth session did."""
     ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
+    if allocate_in_call:
 
-    def run() -> None:
-        prefill(ids, model.new_cache(1, max_seq_len=s.prefill_length))
+        def run() -> None:
+            prefill(ids, model.new_cache(1, max_seq_len=s.prefill_length))
+
+    else:
+        caches = [model.new_cache(1, max_seq_len=s.prefill_length) for _ in range(s.repeats + 1)]
+
+        def run() -> None:
+            prefill(ids, caches.pop())
 
     return s.prefill_length / timed(run, s.repeats)
 
@@ -163,6 +177,9 @@ def main() -> None:
         eager = prefill_tokens_per_s(fla, fla.prefill, s)
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
         row(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
+        eager = prefill_tokens_per_s(fla, fla.prefill, s, allocate_in_call=True)
+        compiled = prefill_tokens_per_s(ours, compiled_prefill, s, allocate_in_call=True)
+        row(f"prefill B=1 T={s.prefill_length}, cache allocated in the call", eager, compiled, 1.3)
         logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
 
         cache_eager = prompt_cache(fla, s)
