@@ -1,10 +1,13 @@
-"""Depthwise causal conv1d: a token-parallel output kernel (a sequence's first ``W - 1``
-tokens, which read the initial state, done apart by the program holding the sequence's
-start) that also writes the final conv state (the last ``W - 1`` inputs) of batch rows
-from their last token block, else a sequence-parallel kernel writes it (packed
-sequences, a pool rewritten in place); for one token per sequence (decode) a single
-kernel does both in one pass over the state: for W = 4 and D % 8 == 0 one that moves only
-16-byte vectors (:func:`conv_step_w4_kernel`), else a generic one.
+"""Depthwise causal conv1d.
+
+Prefill: a token-parallel output kernel, in which a sequence's first ``W - 1`` tokens (the
+only ones reading the initial state) are done apart by the program holding the sequence's
+start. The program of a batch row's last token block also writes the row's final conv
+state (its last ``W - 1`` inputs); for packed sequences, and for a pool rewritten in
+place, a sequence-parallel kernel writes it after the output kernel instead. Decode (one
+token per sequence): one kernel writes y and the new state in one pass over the state,
+for W = 4 and D % 8 == 0 one that moves only 16-byte vectors
+(:func:`conv_step_w4_kernel`), else a generic one.
 
 Layouts: x ``[B, T, D]`` (or packed ``[1, T_total, D]`` with ``cu_seqlens``); weight
 ``[D, W]``; state ``[N, D, W - 1]``, entry ``j`` holding the input ``W - 1 - j`` tokens
@@ -546,8 +549,9 @@ def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols,
 
 # Token rows of a program's tile (4 warps, 128 channels). H200, T = 8192, D = 4096, W = 4,
 # CUDA-graph timing: the prefill with a state took 47.4 us at 32 rows, 49.3 at 64 and
-# 85.7 at 32 rows on 8 warps (sm_90: 96 registers at 32 rows, 168 at 64); forward and
-# backward took 1063 us with the backward's dz / dx kernels at 64 rows, 1126 at 32.
+# 85.7 at 32 rows on 8 warps (sm_90: 96 registers at 32 rows, 168 at 64; 104 at 32 since
+# the final state moved in); forward and backward took 1063 us with the backward's dz / dx
+# kernels at 64 rows, 1126 at 32.
 PREFILL_ROWS, BACKWARD_ROWS = 32, 64
 
 
