@@ -66,7 +66,7 @@ def conv_inputs(dtype, batch, length, channels=10, width=4):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("length", [1, 3, 65, 70])
+@pytest.mark.parametrize("length", [1, 2, 3, 65, 70])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("width", [2, 4])
 def test_causal_conv1d(dtype, length, with_state, width):
