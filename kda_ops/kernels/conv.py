@@ -95,6 +95,16 @@ def _starting_sequences(seq, position, valid, n_seqs):
 
 
 @triton.jit
+def _state_slot(state_indices, i_n, USE_INDICES: tl.constexpr):
+    """Sequence i_n's state slot (int64): ``state_indices[i_n]`` if given (negative:
+    padding), else i_n."""
+    slot = i_n.to(tl.int64)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    return slot
+
+
+@triton.jit
 def _head_rows(state_indices, cu_seqlens, length, i_n, W: tl.constexpr, BW: tl.constexpr,
                USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
     """Sequence i_n's first W - 1 tokens, whose windows reach into the initial state, as
@@ -102,9 +112,7 @@ def _head_rows(state_indices, cu_seqlens, length, i_n, W: tl.constexpr, BW: tl.c
     whether each is a token, and whether it has a history (slot ``state_indices[i_n]``
     if given; negative: none)."""
     bos, span = _sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
-    slot = i_n.to(tl.int64)
-    if USE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
+    slot = _state_slot(state_indices, i_n, USE_INDICES)
     position = tl.arange(0, BW).to(tl.int64)
     slots = slot + position * 0
     valid = (position < W - 1) & (position < span)
@@ -336,9 +344,8 @@ def _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out
     entries = tl.arange(0, BW)
     source = span - (W - 1) + entries  # position of the input each entry keeps
     mask = (cols < D)[:, None] & (entries < W - 1)[None, :]
-    slot = i_n.to(tl.int64)
+    slot = _state_slot(state_indices, i_n, USE_INDICES)
     if USE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
         mask = mask & (cols * 0 + slot >= 0)[:, None]
     in_x = mask & (source >= 0)[None, :]
     b_state = tl.load(x + (bos + source)[None, :] * D + cols[:, None], mask=in_x, other=0.0)
@@ -380,9 +387,7 @@ def conv_step_kernel(
     cols = i_d * BD + tl.arange(0, BD)
     taps = tl.arange(0, BW)
     mask_d = cols < D
-    slot = i_n.to(tl.int64)
-    if USE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
+    slot = _state_slot(state_indices, i_n, USE_INDICES)
     mask_slot = mask_d & (cols * 0 + slot >= 0)  # a negative index: padding
     slot_base = slot * (D * (W - 1))  # the one 64-bit product; offsets in the slot are int32
     slot_offsets = cols[:, None] * (W - 1)
