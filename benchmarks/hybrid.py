@@ -3,7 +3,7 @@ short-conv kernels (how people run it today) vs (b) ``torch.compile(backend="kda
 process.
 
 Prefill: B = 1, T = 8192, tokens/s, into caches allocated before the timed calls (a
-second row allocates each in the call, as rows before the ninth session did). Decode:
+second row allocates and zero-fills each inside the timed call). Decode:
 B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhead"``, CUDA
 graphs), tokens/s. Prints a table with the ratios and writes nothing. Needs a CUDA GPU
 and ``fla-core`` (run with ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
@@ -95,8 +95,7 @@ def prefill_tokens_per_s(
 ) -> float:
     """Tokens/s of a prefill into an empty cache. The caches are allocated before the timed
     calls, as a server's state pool is and as decode's cache is here; ``allocate_in_call``
-    allocates (and zero-fills) each in the timed call instead, as the rows before the
-    ninth session did."""
+    allocates (and zero-fills) each in the timed call instead."""
     ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
     if allocate_in_call:
 

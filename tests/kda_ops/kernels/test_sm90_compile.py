@@ -61,6 +61,12 @@ variants, arg_types = (json.loads(a) for a in sys.argv[1:])
 results = {}
 for name, (module, kernel_name, constexprs) in variants.items():
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
+    # A constexpr left out would compile as a pointer argument, a variant never launched.
+    missing = [kernel.arg_names[i] for i in kernel.constexprs
+               if kernel.arg_names[i] not in constexprs]
+    if missing:
+        results[name] = f"constexprs not given: {missing}"
+        continue
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
