@@ -43,6 +43,7 @@ from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
 from kda_ops.kernels.recurrent import recurrent_kda_kernel
+from kda_ops.kernels.sizes import next_power_of_2
 
 SM90 = GPUTarget("cuda", 90, 32)
 TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -156,13 +157,13 @@ def cdiv(dim: int, block: int) -> int:
 
 def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     head_k, head_v = config["head_k"], config["head_v"]
-    block_k = triton.next_power_of_2(head_k)
+    block_k = next_power_of_2(head_k)
     lower_bound = config.get("lower_bound")
     return dict(
         scale=float(config.get("scale") or head_k**-0.5),
         lower_bound=0.0 if lower_bound is None else float(lower_bound),
         H=config["heads"], HV=config["value_heads"], K=head_k, V=head_v, BK=block_k,
-        BV=min(triton.next_power_of_2(head_v), 32 if block_k <= 128 else 16),
+        BV=min(next_power_of_2(head_v), 32 if block_k <= 128 else 16),
         SCALAR_GATE=bool(config.get("scalar_gate", False)), USE_GATE=_use_gate(config),
         HAS_DT_BIAS=_use_gate(config), USE_LOWER_BOUND=lower_bound is not None,
         USE_L2NORM=bool(config.get("use_qk_l2norm", True)),
@@ -197,8 +198,8 @@ CONV_BLOCK_T = 16
 def _conv_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     channels, width = config["channels"], config["width"]
     return dict(
-        D=channels, W=width, BT=CONV_BLOCK_T, BD=min(triton.next_power_of_2(channels), 256),
-        BN=1, BW=triton.next_power_of_2(width - 1), HAS_BIAS=True, HAS_STATE=True,
+        D=channels, W=width, BT=CONV_BLOCK_T, BD=min(next_power_of_2(channels), 256),
+        BN=1, BW=next_power_of_2(width - 1), HAS_BIAS=True, HAS_STATE=True,
         USE_INDICES=False, IS_VARLEN=False,
         SILU=config.get("activation", "silu") == "silu", FINAL_STATE=False,
     )  # fmt: skip
@@ -212,14 +213,14 @@ def _conv_state_constexprs(config: Mapping[str, object]) -> dict[str, object]:
 
 def _norm_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     width = config["dim"]
-    block = triton.next_power_of_2(width)
+    block = next_power_of_2(width)
     return dict(eps=float(config.get("eps", 1e-5)), D=width, BD=block,
                 ROWS=max(1, 2048 // block), SILU=config.get("activation") == "silu")  # fmt: skip
 
 
 def _gate_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     channels = config["head_k"]
-    block = triton.next_power_of_2(channels)
+    block = next_power_of_2(channels)
     lower_bound = config.get("lower_bound")
     return dict(
         lower_bound=0.0 if lower_bound is None else float(lower_bound),
@@ -230,8 +231,8 @@ def _gate_constexprs(config: Mapping[str, object]) -> dict[str, object]:
 
 def _chunk_blocks(config: Mapping[str, object]) -> tuple[int, int, str]:
     """(BK, BV, dot precision) as ``launch_chunk_kda`` picks them."""
-    block_k = max(16, triton.next_power_of_2(config["head_k"]))
-    block_v = max(16, triton.next_power_of_2(config["head_v"]))
+    block_k = max(16, next_power_of_2(config["head_k"]))
+    block_v = max(16, next_power_of_2(config["head_v"]))
     return block_k, block_v, "ieee" if config.get("dtype") == "float32" else "tf32"
 
 
