@@ -314,15 +314,15 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
 
 
 @triton.jit
-def _solve_block(a_kk, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
+def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
                  offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """w, u rows of a block, ``(I + a_kk)⁻¹`` times the eliminated right-hand sides;
-    stored, and returned in the storage dtype for the later blocks."""
+    """w, u rows of a block, its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
+    eliminated right-hand sides; stored, and returned in the storage dtype for the later
+    blocks."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    inverse = inverse_unit_lower(a_kk)
     b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
     rows = (tokens * HV + i_hv)[:, None]
@@ -422,40 +422,44 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         g0, q0, k0, v0, beta0, A_log, dt_bias, scale, lower_bound, start, remaining, 0,
         i_hv, decay0, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
         USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    w0, u0 = _solve_block(a0, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
+    inv0 = inverse_unit_lower(a0)  # off the elimination chain
+    w0, u0 = _solve_block(inv0, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
         g1, q1, k1, v1, beta1, A_log, dt_bias, scale, lower_bound, start, remaining, 1,
         i_hv, decay1, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
         USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+    inv1 = inverse_unit_lower(a1)  # off the elimination chain
     rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0, rhs_w1,
                                 rhs_u1, aqk_rows + tile, scale, DOT_PRECISION)
-    w1, u1 = _solve_block(a1, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
+    w1, u1 = _solve_block(inv1, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
         g2, q2, k2, v2, beta2, A_log, dt_bias, scale, lower_bound, start, remaining, 2,
         i_hv, decay2, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
         USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+    inv2 = inverse_unit_lower(a2)  # off the elimination chain
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0, rhs_w2,
                                 rhs_u2, aqk_rows + 2 * tile, scale, DOT_PRECISION)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1, rhs_w2,
                                 rhs_u2, aqk_rows + 2 * tile + BLOCK, scale, DOT_PRECISION)
-    w2, u2 = _solve_block(a2, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
+    w2, u2 = _solve_block(inv2, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
         g3, q3, k3, v3, beta3, A_log, dt_bias, scale, lower_bound, start, remaining, 3,
         i_hv, decay3, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
         USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+    inv3 = inverse_unit_lower(a3)  # off the elimination chain
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0, rhs_w3,
                                 rhs_u3, aqk_rows + 3 * tile, scale, DOT_PRECISION)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1, rhs_w3,
                                 rhs_u3, aqk_rows + 3 * tile + BLOCK, scale, DOT_PRECISION)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2, rhs_w3,
                                 rhs_u3, aqk_rows + 3 * tile + 2 * BLOCK, scale, DOT_PRECISION)
-    _solve_block(a3, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
+    _solve_block(inv3, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
                  mask_v, HV, K, V, DOT_PRECISION)
 
     # kd needs the decay at the chunk's end, known only now.
