@@ -104,7 +104,8 @@ def bench_conv_update(batch=256, channels=3 * 32 * 128, width=4, copies=4) -> li
 
 def bench_conv_prefill(length=8192, channels=32 * 128, width=4) -> list[Row]:
     """One q/k/v short conv of the hybrid model's prefill, from a state (as the model calls
-    it) and from none; FLA's Triton backend, whose state keeps W inputs where ours keeps
+    it) and from none, eager (host dispatch included) and in a CUDA graph (kernel time; 134
+    MB a call, past L2); FLA's Triton backend, whose state keeps W inputs where ours keeps
     W - 1."""
     x = torch.randn(1, length, channels, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.randn(channels, width, device=DEVICE, dtype=torch.bfloat16)
@@ -121,7 +122,10 @@ def bench_conv_prefill(length=8192, channels=32 * 128, width=4) -> list[Row]:
                                      activation="silu", backend="triton")  # fmt: skip
 
         case = f"conv prefill B=1 T={length} D={channels} W={width} bf16, {label}"
-        rows.append(Row(case, time_ms(ours), time_ms(peer), 2 * x.numel() * x.element_size()))
+        nbytes = 2 * x.numel() * x.element_size()
+        rows.append(Row(case + ", eager", time_ms(ours), time_ms(peer), nbytes))
+        rows.append(Row(case + ", CUDA graph", graph_time_ms([ours]), graph_time_ms([peer]),
+                        nbytes))  # fmt: skip
     return rows
 
 
