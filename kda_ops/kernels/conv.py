@@ -524,15 +524,13 @@ def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols,
     """Sequence i_n's step in :func:`conv_step_w4_kernel`, the taps regrouped per entry
     (:func:`_taps_of`) and the bias given."""
     values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
-    slot = i_n
-    if USE_INDICES:
-        slot = tl.load(state_indices + i_n)
+    slot = _state_slot(state_indices, i_n, USE_INDICES)
     kept = mask & (groups * 0 + slot >= 0)[:, None]  # negative: padding, no history or write
     b_x = tl.load(x + i_n.to(tl.int64) * D + cols, mask=mask, other=0.0)
     e0 = tl.zeros([BG, 8], dtype=state_out.dtype.element_ty)
     e1, e2 = e0, e0
     if HAS_STATE:
-        slot_in = state_in + slot.to(tl.int64) * (3 * D)
+        slot_in = state_in + slot * (3 * D)
         e0, e1, e2 = _entries_of(
             tl.load(slot_in + values, mask=kept, other=0.0),
             tl.load(slot_in + values + 8, mask=kept, other=0.0),
@@ -546,7 +544,7 @@ def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols,
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask)
     dtype = state_out.dtype.element_ty
     a, b, c = _interleave(e1.to(dtype), e2.to(dtype), b_x.to(dtype))  # the window shifted
-    slot_out = state_out + slot.to(tl.int64) * (3 * D)
+    slot_out = state_out + slot * (3 * D)
     tl.store(slot_out + values, a, mask=kept)
     tl.store(slot_out + values + 8, b, mask=kept)
     tl.store(slot_out + values + 16, c, mask=kept)
