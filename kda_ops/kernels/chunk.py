@@ -58,6 +58,11 @@ CHUNK = reference.CHUNK_SIZE
 BLOCK = tl.constexpr(16)  # rows of a block of the UT/WY solve; 4 blocks per chunk
 LOG2_BLOCK = tl.constexpr(4)
 L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
+# The backward's pairs kernel takes a diagonal block as a dense dot, factors up to
+# e^{block's decay}, when it decays within e^75: the safe gate's bound (15 rows of at most
+# 5), which other gates' blocks mostly meet too (``pair_limits`` of the backward's prepare
+# flags the chunks where one does not).
+PAIRS_DENSE_LIMIT = tl.constexpr(75.0)
 
 
 @triton.jit
@@ -161,13 +166,19 @@ def _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mas
 
 
 @triton.jit
+def inverse_norm(rows):
+    """1 / sqrt(|row|² + eps) of each fp32 row (FLA's eps inside the square root)."""
+    return tl.rsqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)
+
+
+@triton.jit
 def unit_rows(rows, USE_L2NORM: tl.constexpr):
-    """fp32 rows, l2-normalised when asked (FLA's eps inside the square root). One
-    reciprocal square root per row and a multiply per element: a division per element
-    costs ~25 instructions (MUFU.RCP, Newton steps, range checks)."""
+    """fp32 rows, l2-normalised when asked. One reciprocal square root per row and a
+    multiply per element: a division per element costs ~25 instructions (MUFU.RCP,
+    Newton steps, range checks)."""
     rows = rows.to(tl.float32)
     if USE_L2NORM:
-        rows = rows * tl.rsqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)[:, None]
+        rows = rows * inverse_norm(rows)[:, None]
     return rows
 
 
@@ -245,15 +256,16 @@ def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
 
 @triton.jit
 def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound, start,
-                remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows,
-                HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
-                USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g,
+                q_norm, k_norm, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                 USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
                 USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
     cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
-    diagonal Aqk tile; returns
+    diagonal Aqk tile (for the backward, given ``cum_g``, also its cumulative log-decay rows
+    and, with l2norm, the inverse norms of its q and k rows); returns
 
     - ``k_in``, ``q_in``: k and q decayed from the block start (factors <= 1),
     - ``k_out``: k decayed to the block end (factors <= 1), the column side of later blocks,
@@ -268,6 +280,13 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
                          BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     local = tl.cumsum(b_g, axis=0)  # padding rows add no decay
     block_decay = tl.sum(b_g, axis=0)
+    rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    mask = in_seq[:, None] & mask_k[None, :]
+    if cum_g is not None:
+        tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
+        if USE_L2NORM:
+            tl.store(q_norm + tokens * HV + i_hv, inverse_norm(r_q.to(tl.float32)), mask=in_seq)
+            tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
     r_q = unit_rows(r_q, USE_L2NORM)
     r_k = unit_rows(r_k, USE_L2NORM)
     r_beta = r_beta.to(tl.float32)
@@ -288,9 +307,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     to_chunk_start = fast_exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
     rhs_u = r_beta[:, None] * r_v
-    rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-    tl.store(qg + rows, (scale * q_in * to_chunk_start).to(qg.dtype.element_ty),
-             mask=in_seq[:, None] & mask_k[None, :])  # fmt: skip
+    tl.store(qg + rows, (scale * q_in * to_chunk_start).to(qg.dtype.element_ty), mask=mask)
     return k_in, q_in, k_out, r_beta, rhs_w, rhs_u, a_kk, decay_before + block_decay
 
 
@@ -298,8 +315,9 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
 def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
                rhs_w, rhs_u, aqk_tile, scale, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Couples a row block to an earlier, solved column block: stores their Aqk tile and
-    subtracts ``A_ij [w_j, u_j]`` from the row block's right-hand sides. The gap between
-    the column block's end and the row block's start decays both sides (factor <= 1)."""
+    subtracts ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns
+    with A_ij (fp32). The gap between the column block's end and the row block's start
+    decays both sides (factor <= 1)."""
     dot_dtype = col_w.dtype
     gap = fast_exp(decay_before - col_decay_after)[None, :]
     col = tl.trans(col_k_out.to(dot_dtype))
@@ -307,10 +325,9 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
     tl.store(aqk_tile, a_qk.to(aqk_tile.dtype.element_ty))
     a_kk = r_beta[:, None] * tl.dot((k_in * gap).to(dot_dtype), col,
                                     input_precision=DOT_PRECISION)  # fmt: skip
-    a_kk = a_kk.to(dot_dtype)
-    rhs_w -= tl.dot(a_kk, col_w, input_precision=DOT_PRECISION)
-    rhs_u -= tl.dot(a_kk, col_u, input_precision=DOT_PRECISION)
-    return rhs_w, rhs_u
+    rhs_w -= tl.dot(a_kk.to(dot_dtype), col_w, input_precision=DOT_PRECISION)
+    rhs_u -= tl.dot(a_kk.to(dot_dtype), col_u, input_precision=DOT_PRECISION)
+    return rhs_w, rhs_u, a_kk
 
 
 @triton.jit
@@ -355,55 +372,132 @@ def chunk_prepare_kernel(
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CHUNKS: tl.constexpr,
 ):  # fmt: skip
+    prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
+                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
+                   None, None, None, None, None, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
+                   USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS)  # fmt: skip
+
+
+@triton.jit
+def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
+                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
+                   cum_g, solve, q_norm, k_norm, pair_limits,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                   HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                   SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+                   USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """The body of a prepare program (chunk, value head), for ``chunk_prepare_kernel`` and,
+    with the backward's extra outputs (``cum_g`` ... ``pair_limits``, or all ``None``), for
+    the backward's prepare kernel: which chunks a launch prepares is ``CHUNKS`` (module
+    docstring), ``unbounded`` holding the flags between a "bounded" and an "unbounded"
+    launch."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
                                      BN, IS_VARLEN)  # fmt: skip
-    if remaining <= 0:
-        return
-    # Which chunks this launch prepares (``CHUNKS``, module docstring).
-    # fmt: off
-    if CHUNKS == "unbounded":
-        if tl.load(unbounded + i_c * HV + i_hv) != 0:
-            _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                           remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV, K,
-                           V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
-                           USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    else:
-        fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                              remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV,
-                              K, V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
-                              True, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-        if not SAFE_GATE:
-            if CHUNKS == "bounded":
-                tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
-            elif fits == 0:  # "all": redo this chunk here, overwriting every output
-                tl.debug_barrier()  # the dense pass's stores land first
+    if remaining > 0:
+        # fmt: off
+        if CHUNKS == "unbounded":
+            if tl.load(unbounded + i_c * HV + i_hv) != 0:
                 _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                               remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H, HV,
-                               K, V, BK, BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
-                               False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    # fmt: on
+                               remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g,
+                               solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK, BV,
+                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
+                               USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+        else:
+            fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                                  remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
+                                  cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
+                                  BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
+                                  USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+            if not SAFE_GATE:
+                if CHUNKS == "bounded":
+                    tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
+                elif fits == 0:  # "all": redo this chunk here, overwriting every output
+                    tl.debug_barrier()  # the dense pass's stores land first
+                    _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                                   remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
+                                   cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
+                                   BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
+                                   False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+        # fmt: on
+
+
+@triton.jit
+def _store_inverse(t_rows, t00, t11, t22, t33):
+    """T = (I + A)⁻¹ of a chunk by 16-row blocks, T_IJ = -T_II Σ_{J <= L < I} A_IL T_LJ,
+    over the A tiles below the diagonal that ``t_rows`` holds (tile (I, J) at
+    ``t_rows + (I * 64 + J) * BLOCK``), given the diagonal inverses; overwrites them with
+    T's, and T's diagonal tiles. Read back from memory, the A tiles reach these small dots
+    without the compiler recomputing the dots that made them in the dots' layout."""
+    tl.debug_barrier()  # every A tile stored
+    tile = BLOCK * 64
+    a10 = tl.load(t_rows + tile)
+    a20 = tl.load(t_rows + 2 * tile)
+    a21 = tl.load(t_rows + 2 * tile + BLOCK)
+    a30 = tl.load(t_rows + 3 * tile)
+    a31 = tl.load(t_rows + 3 * tile + BLOCK)
+    a32 = tl.load(t_rows + 3 * tile + 2 * BLOCK)
+    t10 = _inverse_tile(t11, _dot(a10, t00))
+    t20 = _inverse_tile(t22, _dot(a20, t00) + _dot(a21, t10))
+    t21 = _inverse_tile(t22, _dot(a21, t11))
+    t30 = _inverse_tile(t33, _dot(a30, t00) + _dot(a31, t10) + _dot(a32, t20))
+    t31 = _inverse_tile(t33, _dot(a31, t11) + _dot(a32, t21))
+    t32 = _inverse_tile(t33, _dot(a32, t22))
+    tl.debug_barrier()  # every A tile read
+    tl.store(t_rows, t00)
+    tl.store(t_rows + tile, t10)
+    tl.store(t_rows + tile + BLOCK, t11)
+    tl.store(t_rows + 2 * tile, t20)
+    tl.store(t_rows + 2 * tile + BLOCK, t21)
+    tl.store(t_rows + 2 * tile + 2 * BLOCK, t22)
+    tl.store(t_rows + 3 * tile, t30)
+    tl.store(t_rows + 3 * tile + BLOCK, t31)
+    tl.store(t_rows + 3 * tile + 2 * BLOCK, t32)
+    tl.store(t_rows + 3 * tile + 3 * BLOCK, t33)
+
+
+@triton.jit
+def _dot(a, b):
+    """A [16, 16] fp32 product, exact (FMA)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inverse_tile(t_diag, acc):
+    """Block (I, J) of T below the diagonal, -T_II Σ_{J <= L < I} A_IL T_LJ, given T_II
+    and the sum."""
+    return -_dot(t_diag, acc)
 
 
 @triton.jit
 def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
-                   i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, H: tl.constexpr,
-                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr,
+                   i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g, solve, q_norm, k_norm,
+                   pair_limits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
                    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The prepare kernel's work on one chunk and value head (see the module docstring);
-    ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot."""
+    ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot. Given ``solve``
+    (the backward), also T = (I + A)⁻¹ (fp32 ``[C, C]`` tiles on and below the diagonal at
+    the chunk's place, as ``aqk``), the cumulative log-decay and l2norm factors
+    (``_open_block``) and whether a row block decays past ``PAIRS_DENSE_LIMIT``
+    (``pair_limits``, int8, without the safe gate). Returns whether every row block
+    decays within ``dense_decay_limit``."""
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
     sub = tl.arange(0, BLOCK)
-    # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * 64 + j) * BLOCK.
-    aqk_rows = aqk + ((i_c * HV + i_hv).to(tl.int64) * 64 + sub)[:, None] * 64 + sub[None, :]
+    # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * 64 + j) * BLOCK; T's likewise.
+    square = ((i_c * HV + i_hv).to(tl.int64) * 64 + sub)[:, None] * 64 + sub[None, :]
+    aqk_rows = aqk + square
     tile = BLOCK * 64  # one row block down
 
     # The four row blocks, unrolled so every solved block stays in registers.
@@ -420,46 +514,65 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     decay0 = tl.zeros([BK], dtype=tl.float32)
     _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
         g0, q0, k0, v0, beta0, A_log, dt_bias, scale, lower_bound, start, remaining, 0,
-        i_hv, decay0, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    inv0 = inverse_unit_lower(a0)  # off the elimination chain
-    w0, u0 = _solve_block(inv0, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
+        i_hv, decay0, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t00 = inverse_unit_lower(a0)  # off the elimination chain
+    w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
         g1, q1, k1, v1, beta1, A_log, dt_bias, scale, lower_bound, start, remaining, 1,
-        i_hv, decay1, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    inv1 = inverse_unit_lower(a1)  # off the elimination chain
-    rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0, rhs_w1,
-                                rhs_u1, aqk_rows + tile, scale, DOT_PRECISION)
-    w1, u1 = _solve_block(inv1, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
+        i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t11 = inverse_unit_lower(a1)
+    rhs_w1, rhs_u1, a10 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
+                                     rhs_w1, rhs_u1, aqk_rows + tile, scale, DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + tile, a10)
+    w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
         g2, q2, k2, v2, beta2, A_log, dt_bias, scale, lower_bound, start, remaining, 2,
-        i_hv, decay2, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    inv2 = inverse_unit_lower(a2)  # off the elimination chain
-    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0, rhs_w2,
-                                rhs_u2, aqk_rows + 2 * tile, scale, DOT_PRECISION)
-    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1, rhs_w2,
-                                rhs_u2, aqk_rows + 2 * tile + BLOCK, scale, DOT_PRECISION)
-    w2, u2 = _solve_block(inv2, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
+        i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t22 = inverse_unit_lower(a2)
+    rhs_w2, rhs_u2, a20 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
+                                     rhs_w2, rhs_u2, aqk_rows + 2 * tile, scale, DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + 2 * tile, a20)
+    rhs_w2, rhs_u2, a21 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
+                                     rhs_w2, rhs_u2, aqk_rows + 2 * tile + BLOCK, scale,
+                                     DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + 2 * tile + BLOCK, a21)
+    w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
     k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
         g3, q3, k3, v3, beta3, A_log, dt_bias, scale, lower_bound, start, remaining, 3,
-        i_hv, decay3, offs_k, mask_k, qg, aqk_rows, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-        USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
-    inv3 = inverse_unit_lower(a3)  # off the elimination chain
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0, rhs_w3,
-                                rhs_u3, aqk_rows + 3 * tile, scale, DOT_PRECISION)
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1, rhs_w3,
-                                rhs_u3, aqk_rows + 3 * tile + BLOCK, scale, DOT_PRECISION)
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2, rhs_w3,
-                                rhs_u3, aqk_rows + 3 * tile + 2 * BLOCK, scale, DOT_PRECISION)
-    _solve_block(inv3, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
+        i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t33 = inverse_unit_lower(a3)
+    rhs_w3, rhs_u3, a30 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
+                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile, scale, DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + 3 * tile, a30)
+    rhs_w3, rhs_u3, a31 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
+                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile + BLOCK, scale,
+                                     DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + 3 * tile + BLOCK, a31)
+    rhs_w3, rhs_u3, a32 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
+                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile + 2 * BLOCK, scale,
+                                     DOT_PRECISION)
+    if solve is not None:  # A's tile, read back for T below
+        tl.store(solve + square + 3 * tile + 2 * BLOCK, a32)
+    _solve_block(t33, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
                  mask_v, HV, K, V, DOT_PRECISION)
 
     # kd needs the decay at the chunk's end, known only now.
@@ -468,12 +581,18 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     _store_kd(kd, k_out1, decay2, decay4, start, remaining, 1, i_hv, offs_k, mask_k, HV, K)
     _store_kd(kd, k_out2, decay3, decay4, start, remaining, 2, i_hv, offs_k, mask_k, HV, K)
     _store_kd(kd, k_out3, decay4, decay4, start, remaining, 3, i_hv, offs_k, mask_k, HV, K)
+
+    if solve is not None:
+        _store_inverse(solve + square, t00, t11, t22, t33)
     # fmt: on
     # Whether the dense diagonal dots were in range: every block's decay within the limit.
-    least = tl.minimum(
+    blocks = tl.minimum(
         tl.minimum(decay1, decay2 - decay1), tl.minimum(decay3 - decay2, decay4 - decay3)
     )
-    return tl.min(least, axis=0) >= -dense_decay_limit(qg.dtype.element_ty)
+    least = tl.min(blocks, axis=0)
+    if pair_limits is not None:
+        tl.store(pair_limits + i_c * HV + i_hv, (least < -PAIRS_DENSE_LIMIT).to(tl.int8))
+    return least >= -dense_decay_limit(qg.dtype.element_ty)
 
 
 @triton.jit

@@ -85,10 +85,9 @@ from kda_ops.kernels.chunk import (
     CHUNK,
     L2NORM_EPS,
     LOG2_BLOCK,
-    diagonal_block,
     dyadic_level,
-    inverse_unit_lower,
     locate_chunk,
+    prepare_chunks,
     prepare_flags,
     scan_chunks,
     scan_value_columns,
@@ -99,10 +98,6 @@ from kda_ops.kernels.gate import gate_activation
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
-
-# The pairs kernel's dense diagonal blocks take factors up to e^{block's decay}: the safe
-# gate's bound (15 rows of at most 5), which other gates' blocks mostly meet too.
-DENSE_DIAGONAL_LIMIT = tl.constexpr(75.0)
 
 
 @triton.jit
@@ -228,7 +223,7 @@ def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
 @triton.jit
 def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up):
     """``_dyadic_diagonal_grads``'s gradients by dense dots with the pair factors split at
-    the block's first row ``ref`` (for blocks decaying within ``DENSE_DIAGONAL_LIMIT``, so
+    the block's first row ``ref`` (for blocks decaying within ``PAIRS_DENSE_LIMIT`` (chunk.py), so
     that the growing half e^{ref - G} stays below e^75); ``up = e^{G - ref}``
     ``[BLOCK, BK]``.
 
@@ -305,135 +300,28 @@ def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k,
 def chunk_bwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
     scale, lower_bound, length, n_seqs,
-    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded,
+    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, redo,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """Writes, for the tokens of chunk i_c and value head i_hv: cum_g (fp32
-    ``[B, T, HV, K]``), w, qg, kd (q's dtype, ``[B, T, HV, K]``), u = T β V (v's dtype,
-    ``[B, T, HV, V]``), the chunk's total log-decay at ``chunk_decay[i_c, i_hv]`` (fp32
-    ``[n_chunks, HV, K]``; with w, u, qg, kd what the forward's recurrence kernel reads for
-    the chunk states), and at ``[i_c, i_hv]`` of ``[n_chunks, HV, C, C]`` fp32: Aqk
-    (causal part only; blocks above the diagonal are left unwritten) and T (likewise);
-    with ``USE_L2NORM`` the inverse norms of the q and k rows (fp32 ``[B, T, HV]``) for
-    the pairs kernel, which reads only some key columns of a row; without the safe gate,
-    at ``unbounded[i_c, i_hv]`` (int8) whether a row block of the chunk decays past the
-    pairs kernel's dense limit in some channel."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                    IS_VARLEN)  # fmt: skip
-    if remaining <= 0:
-        return
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
-    dot_dtype = q.dtype.element_ty
-    rows = tl.arange(0, CHUNK)
-    in_seq = rows < remaining
-    tokens = start + rows
-    mask_rows_k = in_seq[:, None] & mask_k[None, :]
-    token_offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-    matrix = (i_c * HV + i_hv).to(tl.int64) * CHUNK * CHUNK  # this chunk's [C, C] block
-
-    # --- Gate activation and in-chunk cumulative log-decay.
-    b_g = _gate_input(g, dt_bias, tokens, in_seq, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                      HAS_DT_BIAS)  # fmt: skip
-    if USE_GATE:
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
-    b_cum = tl.cumsum(tl.where(mask_rows_k, b_g, 0.0), axis=0)
-    tl.store(cum_g + token_offsets, b_cum, mask=mask_rows_k)
-    last = tl.minimum(remaining, CHUNK) - 1
-    cum_last = _row(b_cum, rows, last)
-    if not SAFE_GATE:  # padding rows hold cum_last, so the last block ends at row 63
-        end0 = _row(b_cum, rows, BLOCK - 1)
-        end1 = _row(b_cum, rows, 2 * BLOCK - 1)
-        end2 = _row(b_cum, rows, 3 * BLOCK - 1)
-        least = tl.minimum(tl.minimum(end0, end1 - end0),
-                           tl.minimum(end2 - end1, cum_last - end2))  # fmt: skip
-        fits = tl.min(least, axis=0) >= -DENSE_DIAGONAL_LIMIT
-        tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
-    tl.debug_barrier()  # cum_g rows are re-read by block below
-
-    # --- Aqk, A and T = (I + A)⁻¹ by 16-row blocks: row block I of A goes to T's buffer,
-    # then T_IJ = -T_II Σ_{J <= L < I} A_IL T_LJ overwrites it for J = 0, 1, ... (a block
-    # is overwritten only once no later J needs it). Blocks above the diagonal stay
-    # unwritten (masked on load).
-    sub = tl.arange(0, BLOCK)
-    for i_b in range(0, CHUNK // BLOCK):
-        r_tok = start + i_b * BLOCK + sub
-        r_in = i_b * BLOCK + sub < remaining
-        r_q = _load_unit_rows(q, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
-        r_k = _load_unit_rows(k, r_tok, r_in, i_h, H, K, offs_k, USE_L2NORM)
-        r_beta = _load_beta_rows(beta, r_tok, r_in, i_hv, HV, USE_BETA_SIGMOID)
-        r_cum = _load_cum_rows(cum_g, r_tok, r_in, i_hv, HV, K, offs_k, cum_last)
-        ref = _row(r_cum, sub, 0)
-        local = r_cum - ref[None, :]
-        r_k_ref = (r_k * tl.exp(local)).to(dot_dtype)
-        r_q_ref = (r_q * tl.exp(local)).to(dot_dtype)
-        block_rows = matrix + (i_b * BLOCK + sub)[:, None] * CHUNK + sub[None, :]
-        for j_b in range(0, i_b):
-            c_tok = start + j_b * BLOCK + sub
-            c_in = j_b * BLOCK + sub < remaining
-            c_k = _load_unit_rows(k, c_tok, c_in, i_h, H, K, offs_k, USE_L2NORM)
-            c_cum = _load_cum_rows(cum_g, c_tok, c_in, i_hv, HV, K, offs_k, cum_last)
-            c_k_ref = tl.trans((c_k * tl.exp(ref[None, :] - c_cum)).to(dot_dtype))
-            a_kk = tl.dot(r_k_ref, c_k_ref, input_precision=DOT_PRECISION)
-            a_qk = tl.dot(r_q_ref, c_k_ref, input_precision=DOT_PRECISION)
-            tl.store(solve + block_rows + j_b * BLOCK, r_beta[:, None] * a_kk)
-            tl.store(aqk + block_rows + j_b * BLOCK, scale * a_qk)
-        d_qk, d_kk = diagonal_block(r_q, r_k, r_q_ref, r_k_ref, local, r_cum, dot_dtype,
-                                    SAFE_GATE, DOT_PRECISION, True)  # fmt: skip
-        causal = sub[:, None] >= sub[None, :]
-        strict = sub[:, None] > sub[None, :]
-        tl.store(aqk + block_rows + i_b * BLOCK, tl.where(causal, scale * d_qk, 0.0))
-        t_diag = inverse_unit_lower(tl.where(strict, r_beta[:, None] * d_kk, 0.0))
-        tl.debug_barrier()  # this row block of A is read by every thread below
-        for j_b in range(0, i_b):
-            acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-            for l_b in range(j_b, i_b):
-                a_il = tl.load(solve + block_rows + l_b * BLOCK)
-                t_lj = tl.load(solve + matrix + (l_b * BLOCK + sub)[:, None] * CHUNK
-                               + j_b * BLOCK + sub[None, :])  # fmt: skip
-                acc += tl.dot(a_il, t_lj, input_precision=DOT_PRECISION)
-            t_ij = -tl.dot(t_diag, acc, input_precision=DOT_PRECISION)
-            tl.debug_barrier()  # every thread has read A_IJ
-            tl.store(solve + block_rows + j_b * BLOCK, t_ij)
-        tl.store(solve + block_rows + i_b * BLOCK, t_diag)
-        tl.debug_barrier()  # this row block of T is read by the next ones
-
-    # --- What the state scan reads: w = T β (K̂ ⊙ Γ), qg = scale Q̂ ⊙ Γ, kd = K̂ ⊙ Γ_C / Γ.
-    causal_chunk = rows[:, None] >= rows[None, :]
-    b_t = tl.load(solve + matrix + rows[:, None] * CHUNK + rows[None, :], mask=causal_chunk,
-                  other=0.0)  # fmt: skip
-    b_q = _load_unit_rows(q, tokens, in_seq, i_h, H, K, offs_k, False)
-    b_k = _load_unit_rows(k, tokens, in_seq, i_h, H, K, offs_k, False)
-    if USE_L2NORM:  # as unit_rows, keeping the factors
-        q_inv_norm = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + L2NORM_EPS)
-        k_inv_norm = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + L2NORM_EPS)
-        tl.store(q_norm + tokens * HV + i_hv, q_inv_norm, mask=in_seq)
-        tl.store(k_norm + tokens * HV + i_hv, k_inv_norm, mask=in_seq)
-        b_q *= q_inv_norm[:, None]
-        b_k *= k_inv_norm[:, None]
-    b_beta = _load_beta_rows(beta, tokens, in_seq, i_hv, HV, USE_BETA_SIGMOID)
-    # (padding rows of b_cum already hold cum_last: their log-decay was zeroed)
-    b_w = tl.dot(b_t, b_beta[:, None] * b_k * tl.exp(b_cum), input_precision=DOT_PRECISION)
-    tl.store(w + token_offsets, b_w.to(w.dtype.element_ty), mask=mask_rows_k)
-    tl.store(qg + token_offsets, (scale * b_q * tl.exp(b_cum)).to(qg.dtype.element_ty),
-             mask=mask_rows_k)  # fmt: skip
-    tl.store(kd + token_offsets, (b_k * tl.exp(cum_last[None, :] - b_cum)).to(kd.dtype.element_ty),
-             mask=mask_rows_k)  # fmt: skip
-    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, cum_last, mask=mask_k)
-    offs_v = tl.arange(0, BV)
-    mask_rows_v = in_seq[:, None] & (offs_v < V)[None, :]
-    value_offsets = (tokens * HV + i_hv)[:, None] * V + offs_v[None, :]
-    b_v = tl.load(v + value_offsets, mask=mask_rows_v, other=0.0).to(tl.float32)
-    b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
-    tl.store(u + value_offsets, b_u.to(u.dtype.element_ty), mask=mask_rows_v)
+    """The forward's prepare (``prepare_chunks``: w, qg, kd in q's dtype, u in v's, the
+    chunk's total log-decay) with what the backward also reads, for the tokens of chunk
+    i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``), at ``[i_c, i_hv]`` of
+    ``[n_chunks, HV, C, C]`` fp32 Aqk (causal part only; blocks above the diagonal are
+    left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse norms of the q and k
+    rows (fp32 ``[B, T, HV]``) for the pairs kernel, which reads only some key columns of a
+    row; without the safe gate, at ``unbounded[i_c, i_hv]`` (int8) whether a row block of
+    the chunk decays past the pairs kernel's dense limit in some channel. ``redo`` and
+    ``CHUNKS``: the forward's two launches without the safe gate (``chunk.py``)."""
+    prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
+                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
+                   solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
+                   USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS)  # fmt: skip
 
 
 @triton.jit
@@ -694,7 +582,7 @@ def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
     """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
     ``rows_q`` its rows against earlier columns (``_earlier_block``), ``col`` its columns
     against later rows. Adds the diagonal block (``DENSE``: fp32 dots at ``ref``, for
-    blocks decaying within ``DENSE_DIAGONAL_LIMIT``; else dyadic), adds everything to the
+    blocks decaying within ``PAIRS_DENSE_LIMIT`` (chunk.py); else dyadic), adds everything to the
     row-local gradients of ``chunk_bwd_wy_kernel`` in place (dq̂, dk̂ fp32), stores this
     column block's share of dβ (``[B, T, HV, N_K]`` fp32), and runs the reverse cumsum of
     dG and the gate backward (``_gate_rows``). Returns (d_later: Σ dG of the rows from
@@ -949,14 +837,19 @@ def launch_chunk_kda_backward(
     q_norm, k_norm = torch.empty(2, *tokens_shape, **f32)
     # Without the safe gate the prepare kernel flags the chunks that decay past the pairs
     # kernel's dense limit; the pairs kernel then runs twice, dense and dyadic chunks.
-    unbounded = None
+    # As in the forward, without the safe gate a first launch takes every chunk's diagonal
+    # blocks as dense dots and flags (``redo``) the chunks a second one redoes dyadically.
+    passes, unbounded, redo = ("all",), None, None
     if not flags["SAFE_GATE"]:
-        unbounded = torch.empty(n_chunks, value_heads, device=dev, dtype=torch.int8)
-    chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
-        q, k, v, g, beta, *gate_args, scale, lower, length, n_seqs,
-        cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded,
-        **shape, V=head_v, BV=block_v, **flags, **launch,
-    )  # fmt: skip
+        passes = ("bounded", "unbounded")
+        unbounded, redo = torch.empty(2, n_chunks, value_heads, device=dev, dtype=torch.int8)
+    for chunks in passes:
+        chunk_bwd_prepare_kernel[(n_chunks, value_heads)](
+            q, k, v, g, beta, *gate_args, scale, lower, length, n_seqs,
+            cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, redo,
+            H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+            BN=shape["BN"], **flags, CHUNKS=chunks, num_warps=warps,
+        )  # fmt: skip
     # The chunk states, from this kernel's w, u, kd (no second run of the forward's
     # prepare kernel).
     chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
