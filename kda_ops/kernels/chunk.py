@@ -313,21 +313,26 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
 
 @triton.jit
 def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
-               rhs_w, rhs_u, aqk_tile, scale, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Couples a row block to an earlier, solved column block: stores their Aqk tile and
-    subtracts ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns
-    with A_ij (fp32). The gap between the column block's end and the row block's start
-    decays both sides (factor <= 1)."""
+               rhs_w, rhs_u, aqk, solve, tile_offsets, scale,
+               DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Couples a row block to an earlier, solved column block: stores their Aqk tile (at
+    ``aqk + tile_offsets``; A_ij's at ``solve + tile_offsets`` when given) and subtracts
+    ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns. The gap
+    between the column block's end and the row block's start decays both sides (factor
+    <= 1)."""
     dot_dtype = col_w.dtype
     gap = fast_exp(decay_before - col_decay_after)[None, :]
     col = tl.trans(col_k_out.to(dot_dtype))
     a_qk = tl.dot((q_in * gap).to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
-    tl.store(aqk_tile, a_qk.to(aqk_tile.dtype.element_ty))
+    tl.store(aqk + tile_offsets, a_qk.to(aqk.dtype.element_ty))
     a_kk = r_beta[:, None] * tl.dot((k_in * gap).to(dot_dtype), col,
                                     input_precision=DOT_PRECISION)  # fmt: skip
-    rhs_w -= tl.dot(a_kk.to(dot_dtype), col_w, input_precision=DOT_PRECISION)
-    rhs_u -= tl.dot(a_kk.to(dot_dtype), col_u, input_precision=DOT_PRECISION)
-    return rhs_w, rhs_u, a_kk
+    if solve is not None:  # for T (_store_inverse), read back there
+        tl.store(solve + tile_offsets, a_kk)
+    a_kk = a_kk.to(dot_dtype)
+    rhs_w -= tl.dot(a_kk, col_w, input_precision=DOT_PRECISION)
+    rhs_u -= tl.dot(a_kk, col_u, input_precision=DOT_PRECISION)
+    return rhs_w, rhs_u
 
 
 @triton.jit
@@ -527,10 +532,9 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
     t11 = inverse_unit_lower(a1)
-    rhs_w1, rhs_u1, a10 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
-                                     rhs_w1, rhs_u1, aqk_rows + tile, scale, DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + tile, a10)
+    rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
+                                rhs_w1, rhs_u1, aqk, solve, square + tile, scale,
+                                DOT_PRECISION)
     w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
@@ -540,15 +544,12 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
     t22 = inverse_unit_lower(a2)
-    rhs_w2, rhs_u2, a20 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
-                                     rhs_w2, rhs_u2, aqk_rows + 2 * tile, scale, DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + 2 * tile, a20)
-    rhs_w2, rhs_u2, a21 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
-                                     rhs_w2, rhs_u2, aqk_rows + 2 * tile + BLOCK, scale,
-                                     DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + 2 * tile + BLOCK, a21)
+    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
+                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile, scale,
+                                DOT_PRECISION)
+    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
+                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile + BLOCK, scale,
+                                DOT_PRECISION)
     w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
@@ -558,20 +559,15 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
     t33 = inverse_unit_lower(a3)
-    rhs_w3, rhs_u3, a30 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
-                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile, scale, DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + 3 * tile, a30)
-    rhs_w3, rhs_u3, a31 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
-                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile + BLOCK, scale,
-                                     DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + 3 * tile + BLOCK, a31)
-    rhs_w3, rhs_u3, a32 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
-                                     rhs_w3, rhs_u3, aqk_rows + 3 * tile + 2 * BLOCK, scale,
-                                     DOT_PRECISION)
-    if solve is not None:  # A's tile, read back for T below
-        tl.store(solve + square + 3 * tile + 2 * BLOCK, a32)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile, scale,
+                                DOT_PRECISION)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + BLOCK, scale,
+                                DOT_PRECISION)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + 2 * BLOCK, scale,
+                                DOT_PRECISION)
     _solve_block(t33, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
                  mask_v, HV, K, V, DOT_PRECISION)
 

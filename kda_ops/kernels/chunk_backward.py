@@ -8,13 +8,13 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 ``Aqk = scale tril((Q̂ ⊙ Γ)(K̂ / Γ)ᵀ)``; with S the state entering the chunk,
 ``v_new = u - w S``, ``O = qg S + Aqk v_new``, ``S' = diag(Γ_C) S + kdᵀ v_new``.
 
-1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads). Recomputes
-   the gate activation and G (stored fp32), A and Aqk by 16-row blocks, the 64×64 inverse
-   T by block forward substitution (stored fp32: the backward applies Tᵀ, so it needs T
-   itself, not just T applied to the forward's right-hand sides), w, qg, kd, u (stored
-   in the input dtype), the chunks' total log-decay and, with the l2norm, the rows'
-   inverse norms (fp32). The forward's ``chunk_recurrence_kernel`` (``scan_chunks``)
-   then writes the chunk-start states from w, u, kd.
+1. ``chunk_bwd_prepare_kernel``, token-parallel (grid: chunks × value heads): the
+   forward's prepare program (``prepare_chunks``, its four 16-row blocks in registers:
+   w, qg, kd, u in the input dtype, Aqk, the chunks' total log-decay), which here also
+   stores G (fp32), the 64×64 inverse T by blocks (fp32: the backward applies Tᵀ, so it
+   needs T itself, not just T applied to the forward's right-hand sides) and, with the
+   l2norm, the rows' inverse norms (fp32). The forward's ``chunk_recurrence_kernel``
+   (``scan_chunks``) then writes the chunk-start states from w, u, kd.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
