@@ -1,7 +1,8 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
-needed): the conv kernels in every one, the gate kernel with both gates. Without a GPU the
-other kernel tests run them in Triton's interpreter, which accepts code the compiler
-rejects (a loop-carried tile that changes shape) and skips libdevice calls."""
+needed): the conv kernels in every one, the gate kernel with both gates, the backward's
+prepare kernel in each of its launches. Without a GPU the other kernel tests run them in
+Triton's interpreter, which accepts code the compiler rejects (a loop-carried tile that
+changes shape) and skips libdevice calls."""
 
 import itertools
 import json
@@ -17,6 +18,9 @@ from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
 GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
+PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=False,
+               USE_GATE=True, HAS_DT_BIAS=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
+               IS_VARLEN=False, DOT_PRECISION="tf32")  # fmt: skip
 VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
@@ -46,11 +50,20 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
                                              dict(GATE, USE_LOWER_BOUND=b))
         for b in (False, True)
     },
+    **{  # the backward's prepare: the forward's program with its extra outputs
+        f"chunk_bwd_prepare_kernel/{chunks}": ("chunk_backward", "chunk_bwd_prepare_kernel",
+                                               dict(PREPARE, SAFE_GATE=safe,
+                                                    USE_LOWER_BOUND=safe, CHUNKS=chunks))
+        for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
+    },
 }  # fmt: skip
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
              "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "n_seqs": "i32",
-             "n_rows": "i32", "batch": "i32", "lower_bound": "fp32"}  # fmt: skip
+             "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
+             "chunk_offsets": "*i32", "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
+             "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
+             "unbounded": "*i8", "redo": "*i8"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
