@@ -83,9 +83,9 @@ from torch import Tensor
 from kda_ops.kernels.chunk import (
     BLOCK,
     CHUNK,
-    L2NORM_EPS,
     LOG2_BLOCK,
     dyadic_level,
+    inverse_norm,
     locate_chunk,
     prepare_chunks,
     prepare_flags,
@@ -136,7 +136,7 @@ def _l2norm_backward(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, 
     """The gradient of raw rows of q or k ``[R, BK]`` from that of their l2-normalised
     rows: ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``."""
     raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
-    inv_norm = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) + L2NORM_EPS)
+    inv_norm = inverse_norm(raw)
     unit = raw * inv_norm[:, None]
     return (d_unit - unit * tl.sum(unit * d_unit, axis=1)[:, None]) * inv_norm[:, None]
 
@@ -256,11 +256,14 @@ def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
-    r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, False)
-    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, False)
-    if USE_L2NORM:
-        r_q *= tl.load(q_norm + tokens * HV + i_hv, mask=rows_in, other=0.0)[:, None]
-        r_k *= tl.load(k_norm + tokens * HV + i_hv, mask=rows_in, other=0.0)[:, None]
+    r_q = (
+        _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, False)
+        * _stored_norms(q_norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
+    )
+    r_k = (
+        _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, False)
+        * _stored_norms(k_norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
+    )
     r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
     r_cum = _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV, K, offs_k, cum_last)
     return r_q, r_k, r_beta, r_cum
@@ -313,10 +316,11 @@ def chunk_bwd_prepare_kernel(
     i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``), at ``[i_c, i_hv]`` of
     ``[n_chunks, HV, C, C]`` fp32 Aqk (causal part only; blocks above the diagonal are
     left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse norms of the q and k
-    rows (fp32 ``[B, T, HV]``) for the pairs kernel, which reads only some key columns of a
-    row; without the safe gate, at ``unbounded[i_c, i_hv]`` (int8) whether a row block of
-    the chunk decays past the pairs kernel's dense limit in some channel. ``redo`` and
-    ``CHUNKS``: the forward's two launches without the safe gate (``chunk.py``)."""
+    rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which read a row a block of
+    key columns at a time; without the safe gate, at ``unbounded[i_c, i_hv]`` (int8)
+    whether a row block of the chunk decays past the pairs kernel's dense limit in some
+    channel. ``redo`` and ``CHUNKS``: the forward's two launches without the safe gate
+    (``chunk.py``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
@@ -386,21 +390,20 @@ def chunk_bwd_state_kernel(
 
 
 @triton.jit
-def _inverse_norms(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
-                   USE_L2NORM: tl.constexpr):  # fmt: skip
-    """``[R]`` fp32 factors that l2-normalise whole rows of q or k (ones without
-    ``USE_L2NORM``), for rows loaded a block of columns at a time."""
-    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
-    factors = tl.full([raw.shape[0]], 1.0, dtype=tl.float32)
+def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """``[R]`` fp32 factors that l2-normalise whole rows of q or k, as
+    ``chunk_bwd_prepare_kernel`` stored them (``[B, T, HV]``; ones without ``USE_L2NORM``),
+    for kernels that load rows a block of columns at a time."""
+    factors = tl.full([tokens.shape[0]], 1.0, dtype=tl.float32)
     if USE_L2NORM:
-        factors = tl.rsqrt(tl.sum(raw * raw, axis=1) + L2NORM_EPS)
+        factors = tl.load(norm + tokens * HV + i_hv, mask=rows_in, other=0.0)
     return factors
 
 
 @triton.jit
 def chunk_bwd_wy_kernel(
-    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, w, chunk_states, dstates, grad_o,
-    dv_new, scale, length, n_seqs,
+    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
+    grad_o, dv_new, scale, length, n_seqs,
     aqk, solve, v_new_rows, d_ru_rows, dq_rows, dk_rows, d_cum_rows, dv, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
@@ -486,8 +489,8 @@ def chunk_bwd_wy_kernel(
     q_chunk = q + start * H * K
     k_chunk = k + start * H * K
     cum_chunk = cum_g + start * HV * K
-    q_norm = _inverse_norms(q_chunk, rows, in_seq, i_h, H, K, offs_k, USE_L2NORM)
-    k_norm = _inverse_norms(k_chunk, rows, in_seq, i_h, H, K, offs_k, USE_L2NORM)
+    q_factors = _stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    k_factors = _stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     for i_k in range(0, tl.cdiv(K, BK_STEP)):
         offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
         mask_kb = offs_kb < K
@@ -507,8 +510,10 @@ def chunk_bwd_wy_kernel(
 
         cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
                            other=0.0)  # fmt: skip
-        b_q = _load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False) * q_norm[:, None]
-        b_k = _load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False) * k_norm[:, None]
+        b_q = _load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        b_k = _load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        b_q *= q_factors[:, None]
+        b_k *= k_factors[:, None]
         b_cum = _load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
         gamma = tl.exp(b_cum)
         to_end = tl.exp(cum_last[None, :] - b_cum)
@@ -879,8 +884,8 @@ def launch_chunk_kda_backward(
     dv = torch.empty_like(v)
     dbeta = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
-        q, k, v, beta, cu_seqlens, offsets, cum_g, w, chunk_states, dstates, grad_o,
-        dv_new, scale, length, n_seqs, aqk, solve, v_new_rows, d_ru_rows, dq_hat, dk_hat,
+        q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
+        grad_o, dv_new, scale, length, n_seqs, aqk, solve, v_new_rows, d_ru_rows, dq_hat, dk_hat,
         d_cum, dv, dbeta,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,

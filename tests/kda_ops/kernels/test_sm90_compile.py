@@ -56,6 +56,12 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
                                                     USE_LOWER_BOUND=safe, CHUNKS=chunks))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
+    # the WY kernel, with the l2norm factors the prepare stored
+    "chunk_bwd_wy_kernel": ("chunk_backward", "chunk_bwd_wy_kernel",
+                            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32,
+                                 BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
+                                 USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                                 DOT_PRECISION="tf32")),
 }  # fmt: skip
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
@@ -63,7 +69,9 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
              "chunk_offsets": "*i32", "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
-             "unbounded": "*i8", "redo": "*i8"}  # fmt: skip
+             "unbounded": "*i8", "redo": "*i8", "chunk_states": "*fp32", "dstates": "*fp32",
+             "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
+             "dbeta": "*fp32"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
