@@ -3,7 +3,8 @@ short-conv kernels (how people run it today) vs (b) ``torch.compile(backend="kda
 process.
 
 Prefill: B = 1, T = 8192, tokens/s, into caches allocated before the timed calls (a
-second row allocates and zero-fills each inside the timed call). Decode:
+second row allocates and zero-fills each inside the timed call; a third replays (b) as CUDA
+graphs, ``mode="reduce-overhead"``, from one static empty cache). Decode:
 B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhead"``, CUDA
 graphs), tokens/s. Prints a table with the ratios and writes nothing. Needs a CUDA GPU
 and ``fla-core`` (run with ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
@@ -75,9 +76,13 @@ def fla_kernels() -> KDAKernels:
     return KDAKernels(chunk=chunk_kda, recurrent=fused_recurrent_kda, conv=short_conv)
 
 
+WARM_UP_RUNS = 2  # CUDA graph trees record a graph on a function's second call
+
+
 def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up run."""
-    fn()
+    """Median seconds of ``fn()`` over ``repeats`` runs, after ``WARM_UP_RUNS``."""
+    for _ in range(WARM_UP_RUNS):
+        fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -91,19 +96,31 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def prefill_tokens_per_s(
-    model: HybridLM, prefill: Callable, s: Sizes, allocate_in_call: bool = False
+    model: HybridLM, prefill: Callable, s: Sizes, cache: str = "pool"
 ) -> float:
-    """Tokens/s of a prefill into an empty cache. The caches are allocated before the timed
-    calls, as a server's state pool is and as decode's cache is here; ``allocate_in_call``
-    allocates (and zero-fills) each in the timed call instead."""
+    """Tokens/s of a prefill into an empty cache. ``cache``: "pool", a fresh cache each call,
+    all allocated before the timed calls (as a server's state pool is and as decode's cache
+    is here); "allocate", allocated (and zero-filled) in the timed call; "static", one cache
+    marked as a static address for every call, which CUDA graphs read in place (prefill is
+    functional: it reads the empty cache and returns a new one)."""
     ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
-    if allocate_in_call:
+    if cache == "allocate":
 
         def run() -> None:
             prefill(ids, model.new_cache(1, max_seq_len=s.prefill_length))
 
+    elif cache == "static":
+        static = model.new_cache(1, max_seq_len=s.prefill_length)
+        mark_cache_static(static)
+
+        def run() -> None:
+            prefill(ids, static)
+
     else:
-        caches = [model.new_cache(1, max_seq_len=s.prefill_length) for _ in range(s.repeats + 1)]
+        caches = [
+            model.new_cache(1, max_seq_len=s.prefill_length)
+            for _ in range(WARM_UP_RUNS + s.repeats)
+        ]
 
         def run() -> None:
             prefill(ids, caches.pop())
@@ -176,10 +193,16 @@ def main() -> None:
         eager = prefill_tokens_per_s(fla, fla.prefill, s)
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
         row(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
-        eager = prefill_tokens_per_s(fla, fla.prefill, s, allocate_in_call=True)
-        compiled = prefill_tokens_per_s(ours, compiled_prefill, s, allocate_in_call=True)
+        eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="allocate")
+        compiled = prefill_tokens_per_s(ours, compiled_prefill, s, cache="allocate")
         row(f"prefill B=1 T={s.prefill_length}, cache allocated in the call", eager, compiled, 1.3)
         logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
+        graphed_prefill = torch.compile(
+            ours.prefill, backend="kda", mode="reduce-overhead", fullgraph=True
+        )
+        eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="static")
+        compiled = prefill_tokens_per_s(ours, graphed_prefill, s, cache="static")
+        row(f"prefill B=1 T={s.prefill_length}, (b) in CUDA graphs", eager, compiled, 1.3)
 
         cache_eager = prompt_cache(fla, s)
         cache_compiled = clone(cache_eager)
