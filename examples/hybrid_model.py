@@ -428,7 +428,9 @@ class HybridLM(nn.Module):
 
 def mark_cache_static(cache: Cache) -> None:
     """Mark every cache tensor as a static address, so CUDA graphs (``mode="reduce-overhead"``)
-    accept the in-place state updates of :meth:`HybridLM.decode_`."""
+    accept the in-place state updates of :meth:`HybridLM.decode_` and read the cache in place
+    instead of copying it into the graph's inputs on every replay (a prefill from one empty
+    cache, ``benchmarks/hybrid.py``)."""
     for state in cache:
         for tensor in state:
             torch._dynamo.mark_static_address(tensor)
