@@ -21,6 +21,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,10 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def prefill_tokens_per_s(
-    model: HybridLM, prefill: Callable, s: Sizes, cache: str = "pool"
+    model: HybridLM,
+    prefill: Callable,
+    s: Sizes,
+    cache: Literal["pool", "allocate", "static"] = "pool",
 ) -> float:
     """Tokens/s of a prefill into an empty cache. ``cache``: "pool", a fresh cache each call,
     all allocated before the timed calls (as a server's state pool is and as decode's cache
