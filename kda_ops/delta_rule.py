@@ -10,6 +10,14 @@ Ops (schemas are inferred from the annotations below):
   ``state_indices`` (for CUDA-graph decode).
 - ``kda::delta_rule_backward``: the gradients of both functional ops (on CUDA, the Triton
   chunk backward of ``kernels/chunk_backward.py``; float64 differentiates the reference).
+- ``kda::chunk_train``: ``kda::chunk`` for training, ``(o, final_state, saved)``: on CUDA
+  ``saved`` is what the backward's first kernel would compute (``SavedForBackward``), made
+  by the forward so that ``kda::chunk_backward_`` need not recompute it; elsewhere it is
+  empty and the backward is ``kda::delta_rule_backward``'s. ``chunk_kda`` calls it when
+  an input requires grad (not while exporting: exported graphs keep ``kda::chunk``).
+- ``kda::chunk_backward_``: the chunk backward from ``saved``, which it overwrites (its
+  buffers are the backward's scratch), so a graph's saved tensors serve one backward:
+  a second one (``retain_graph``) fails autograd's in-place check instead of reading them.
 """
 
 from typing import Optional
@@ -138,6 +146,127 @@ for _op in (chunk_op, recurrent_op):
     _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
+def _keeps_saved(q: Tensor) -> bool:
+    """Whether ``kda::chunk_train`` returns the backward's saved tensors for q (the Triton
+    path: CUDA, not float64)."""
+    return q.device.type == "cuda" and q.dtype != torch.float64
+
+
+def chunk_train_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``kda::chunk`` with nothing saved (the reference differentiates its inputs)."""
+    o, final_state = chunk_reference(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
+    return o, final_state, []
+
+
+chunk_train_op = torch.library.custom_op("kda::chunk_train", mutates_args=())(chunk_train_reference)
+
+
+@chunk_train_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
+    if not _keeps_saved(q):
+        return o, final, []
+    batch, length, _, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    rows = _chunk_state_rows(q, cu_seqlens)
+    tokens = (batch, length, value_heads)
+    f32 = dict(dtype=torch.float32)
+    tiles = q.new_empty(rows, value_heads, 64, 64, **f32)
+    saved = [
+        q.new_empty(*tokens, head_k, **f32),  # cum_g
+        q.new_empty(*tokens, head_k),  # w
+        v.new_empty(*tokens, head_v),  # u
+        q.new_empty(*tokens, head_k),  # qg
+        q.new_empty(*tokens, head_k),  # kd
+        tiles,  # aqk
+        tiles.new_empty(tiles.shape),  # solve
+        q.new_empty(rows, value_heads, head_k, **f32),  # chunk_decay
+        q.new_empty(*tokens, **f32),  # q_norm
+        q.new_empty(*tokens, **f32),  # k_norm
+        q.new_empty(rows, value_heads, dtype=torch.int8),  # unbounded
+    ]
+    return o, final, saved
+
+
+def chunk_backward_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    grad_o: Tensor,
+    grad_final_state: Tensor,
+    saved: list[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``kda::delta_rule_backward`` given ``kda::chunk_train``'s saved tensors; off the
+    Triton path it differentiates the reference and leaves them untouched."""
+    return delta_rule_backward_reference(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
+        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
+
+
+chunk_backward_op = torch.library.custom_op("kda::chunk_backward_", mutates_args=("saved",))(
+    chunk_backward_reference
+)
+
+
+@chunk_backward_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
+      saved, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
+
+
+_PRIMALS = 9  # q ... cu_seqlens: the tensor inputs of the delta-rule ops
+
+
+def _chunk_train_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:_PRIMALS], *output[2])
+    ctx.config = inputs[_PRIMALS:]
+
+
+def _chunk_train_backward(ctx, grad_o: Tensor, grad_final_state: Tensor, _grad_saved):
+    primals = ctx.saved_tensors[:_PRIMALS]
+    saved = list(ctx.saved_tensors[_PRIMALS:])
+    if saved:
+        grads = chunk_backward_op(*primals, grad_o, grad_final_state, saved, *ctx.config)
+    else:
+        grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
+    grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
+    return grads + (None,) * (1 + len(ctx.config))
+
+
+chunk_train_op.register_autograd(_chunk_train_backward, setup_context=_chunk_train_setup_context)
+
+
 def _chunk_state_rows(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
     """Rows of ``kda::chunk_states``' third output (SymInt-safe)."""
     n_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -257,7 +386,11 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, s
 
 if kernels.AVAILABLE:
     from kda_ops.kernels.chunk import launch_chunk_kda
-    from kda_ops.kernels.chunk_backward import launch_chunk_kda_backward
+    from kda_ops.kernels.chunk_backward import (
+        SavedForBackward,
+        launch_chunk_kda_backward,
+        launch_chunk_kda_training,
+    )
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
     @chunk_op.register_kernel("cuda")
@@ -293,6 +426,25 @@ if kernels.AVAILABLE:
             return delta_rule_backward_reference(*args)
         return launch_chunk_kda_backward(*args)
 
+    @chunk_train_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        if not _keeps_saved(q):
+            return chunk_train_reference(*args, *config)
+        o, final_state, saved = launch_chunk_kda_training(*args, *config)
+        return o, final_state, list(saved)
+
+    @chunk_backward_op.register_kernel("cuda")
+    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
+          saved, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
+                grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
+        if not _keeps_saved(q):
+            return delta_rule_backward_reference(*args)
+        return launch_chunk_kda_backward(*args, saved=SavedForBackward(*saved))
+
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
           use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
@@ -317,6 +469,18 @@ if kernels.AVAILABLE:
         return launch_recurrent_kda(
             *args, state_pool, state_pool, state_indices, cu_seqlens, *config
         )
+
+
+def _differentiated(tensors: tuple[Optional[Tensor], ...]) -> bool:
+    """Whether autograd records an op that takes these inputs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _training(tensors: tuple[Optional[Tensor], ...]) -> bool:
+    """Whether ``chunk_kda`` calls ``kda::chunk_train``, which keeps what its backward
+    needs: when differentiated, and never while exporting (exported graphs hold
+    ``kda::chunk``)."""
+    return _differentiated(tensors) and not torch.compiler.is_exporting()
 
 
 def _resolve_scale(scale: Optional[float], head_k: int) -> float:
@@ -410,7 +574,10 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     if not _check_return_intermediate_states(return_intermediate_states, args[:8]):
-        o, final_state = chunk_op(*args)
+        if _training(args[:8]):
+            o, final_state, _ = chunk_train_op(*args)
+        else:
+            o, final_state = chunk_op(*args)
         return o, final_state if output_final_state else None
     o, final_state, chunk_states = chunk_states_op(*args)
     if cu_seqlens is None:
@@ -426,7 +593,7 @@ def _check_return_intermediate_states(flag: object, inputs: tuple[Optional[Tenso
     if not isinstance(flag, bool):
         got = type(flag).__name__
         check.fail(TypeError, f"`return_intermediate_states` must be a bool, got {got}")
-    if flag and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    if flag and _differentiated(inputs):
         check.fail(
             ValueError,
             "`return_intermediate_states=True` is inference only (kda::chunk_states has no "

@@ -2,6 +2,7 @@
 
 import torch
 from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import kda_ops
 from tests.kda_ops.inputs import delta_rule_inputs
@@ -61,6 +62,26 @@ def test_compile_training_step_matches_eager_gradients():
         torch.testing.assert_close(got, expected)
 
 
+def test_chunk_kda_keeps_the_backward_inputs_only_when_differentiated():
+    """chunk_kda calls kda::chunk_train when autograd records it, kda::chunk otherwise."""
+    inputs = model_inputs(12, requires_grad=True)
+
+    def ops_called(fn):
+        graph = make_fx(fn)(*inputs).graph
+        return {node.target for node in graph.nodes if node.op == "call_function"}
+
+    def prefill(q, k, v, g, beta, A_log, dt_bias, *_):
+        return kda_ops.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **GATE)[0]
+
+    trained = ops_called(prefill)
+    assert torch.ops.kda.chunk_train.default in trained
+    assert torch.ops.kda.chunk.default not in trained
+    with torch.no_grad():
+        inferred = ops_called(prefill)
+    assert torch.ops.kda.chunk.default in inferred
+    assert torch.ops.kda.chunk_train.default not in inferred
+
+
 def test_compile_with_dynamic_length_does_not_recompile():
     torch._dynamo.reset()
     counters.clear()
@@ -101,7 +122,9 @@ def test_export_dynamic_length_keeps_kda_nodes_and_explicit_state():
     program = torch.export.export(module, args, dynamic_shapes=dynamic)
 
     targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    # The module's parameters require grad, yet an export keeps the inference op.
     assert torch.ops.kda.chunk.default in targets
+    assert torch.ops.kda.chunk_train.default not in targets
     assert torch.ops.kda.causal_conv1d.default in targets
     signature = program.graph_signature
     assert "state" in signature.user_inputs and "conv_state" in signature.user_inputs

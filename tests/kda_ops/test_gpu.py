@@ -289,8 +289,9 @@ def chunk_kda_grads(chunk_kda, x, state, grad_o, grad_state, **kwargs):
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_chunk_backward_against_float64_reference(dtype, varlen, lower_bound):
-    """The Triton backward (kda::delta_rule_backward's CUDA kernel) against autograd through
-    the float64 reference; fp32 inputs take exact (ieee) products."""
+    """The Triton backward (chunk_kda's training path: kda::chunk_train keeps what
+    kda::chunk_backward_ reads) against autograd through the float64 reference; fp32 inputs
+    take exact (ieee) products."""
     x, kwargs = chunk_inputs(1000, 4, lower_bound)
     x = {name: t.to(dtype) if t.dtype == torch.bfloat16 else t for name, t in x.items()}
     cu_seqlens = None

@@ -8,7 +8,12 @@ from torch.library import opcheck
 import kda_ops
 from tests.kda_ops.inputs import delta_rule_inputs
 
-DELTA_RULE_OPS = [torch.ops.kda.chunk.default, torch.ops.kda.recurrent.default]
+DELTA_RULE_OPS = [
+    torch.ops.kda.chunk.default,
+    torch.ops.kda.recurrent.default,
+    torch.ops.kda.chunk_train.default,
+]
+DELTA_RULE_IDS = ["chunk", "recurrent", "chunk_train"]
 
 
 def delta_rule_op_args(x, *, gate, initial_state, cu_seqlens=None, lower_bound=None):
@@ -21,7 +26,7 @@ def delta_rule_op_args(x, *, gate, initial_state, cu_seqlens=None, lower_bound=N
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("op", DELTA_RULE_OPS, ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("op", DELTA_RULE_OPS, ids=DELTA_RULE_IDS)
 @pytest.mark.parametrize(
     ("length", "gate", "initial_state", "scalar_gate", "lower_bound"),
     [
@@ -43,7 +48,7 @@ def test_opcheck_delta_rule(
     opcheck(op, args)
 
 
-@pytest.mark.parametrize("op", DELTA_RULE_OPS, ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("op", DELTA_RULE_OPS, ids=DELTA_RULE_IDS)
 def test_opcheck_delta_rule_varlen(op):
     x = delta_rule_inputs(length=40, n_seqs=3, raw_gate=True, requires_grad=True)
     cu_seqlens = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
@@ -78,6 +83,9 @@ def test_opcheck_delta_rule_backward():
         args = delta_rule_op_args(x, gate=gate, initial_state=gate)
         backward_args = (*args[:9], o, state, *args[9:])
         opcheck(torch.ops.kda.delta_rule_backward.default, backward_args)
+        # kda::chunk_train saves nothing off the Triton path: the chunk backward is then
+        # kda::delta_rule_backward's.
+        opcheck(torch.ops.kda.chunk_backward_.default, (*args[:9], o, state, [], *args[9:]))
 
 
 @pytest.mark.parametrize("with_indices", [False, True])

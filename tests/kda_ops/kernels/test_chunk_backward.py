@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.kernels.chunk_backward import launch_chunk_kda_backward
+from kda_ops.kernels.chunk import launch_chunk_kda
+from kda_ops.kernels.chunk_backward import launch_chunk_kda_backward, launch_chunk_kda_training
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, relative_error
 
@@ -21,11 +22,11 @@ NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True,
-                    heads=1, value_heads=2, gate_shift=0.0, **shape):  # fmt: skip
-    """Kernel gradients of random inputs and cotangents vs ``reference.vjp`` in float64
-    (by default one q/k head and two value heads, a group the launcher sums;
-    ``gate_shift`` is added to the raw gate)."""
+def kernel_inputs(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True,
+                  heads=1, value_heads=2, gate_shift=0.0, **shape):  # fmt: skip
+    """Random primals (``NAMES``' order), cu_seqlens, the op's config, cotangents of o and
+    of the final state (by default one q/k head and two value heads, a group the
+    launcher sums; ``gate_shift`` is added to the raw gate)."""
     gate, lower_bound, scalar_gate = VARIANTS[variant]
     x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
                           dtype=torch.float32, heads=heads, value_heads=value_heads,
@@ -42,8 +43,13 @@ def check_gradients(variant, dtype=torch.float32, cu_seqlens=None, initial_state
     config = (0.3, lower_bound if gate else None, gate, gate)
     grad_o = torch.randn_like(inputs["v"])
     grad_state = torch.randn_like(x.initial_state, device=DEVICE)
+    return tuple(inputs[n] for n in NAMES), cu_seqlens, config, grad_o, grad_state
 
-    primals = tuple(inputs[n] for n in NAMES)
+
+def check_gradients(variant, dtype=torch.float32, **options):
+    """Kernel gradients of ``kernel_inputs(variant, dtype, **options)`` vs
+    ``reference.vjp`` in float64."""
+    primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(variant, dtype, **options)
     got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
 
     def forward(*p):
@@ -149,3 +155,24 @@ def test_dense_and_dyadic_chunks_in_one_call(variant):
     shift = torch.zeros(150, 1, 1, device=DEVICE)
     shift[64:128] = 10.0 if variant == "softplus_gate" else -10.0
     check_gradients(variant, gate_shift=shift, length=150, head_k=16, head_v=16)
+
+
+@pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "gdn"])
+@pytest.mark.parametrize("head_v", [16, 24], ids=["K=V", "K!=V"])
+def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
+    """``launch_chunk_kda_training`` gives ``launch_chunk_kda``'s o and final state, and the
+    backward from what it keeps equals the backward that prepares for itself (same
+    kernels on the same inputs: bit for bit); packed sequences. With K == V the backward
+    also reuses the kept qg and kd as scratch."""
+    primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
+        variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v
+    )
+    o, final_state, saved = launch_chunk_kda_training(*primals, cu_seqlens, *config)
+    expected_o, expected_state = launch_chunk_kda(*primals, cu_seqlens, *config)
+    assert relative_error(o, expected_o) < 1e-6
+    assert relative_error(final_state, expected_state) < 1e-6
+    got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+                                    saved=saved)  # fmt: skip
+    expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
+    for name, grad, grad_expected in zip(NAMES, got, expected):
+        assert torch.equal(grad, grad_expected), name
