@@ -152,12 +152,14 @@ def bench_chunk_varlen(heads=96, dim=128) -> Row:
                nbytes)  # fmt: skip
 
 
-def bench_chunk_backward(heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND) -> Row:
+def bench_chunk_backward(heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND,
+                         disable_recompute=False) -> Row:  # fmt: skip
     """Training step of one layer: forward + backward of every input (gate, beta and
     l2norm in the kernel), timed and with the peak memory each allocates;
-    ``lower_bound=None`` is Kimi Linear's softplus gate."""
+    ``lower_bound=None`` is Kimi Linear's softplus gate; ``disable_recompute`` is passed
+    to both (each keeps its forward's intermediates for its backward)."""
     x = kda_inputs(1, length, heads, dim)
-    options = dict(IN_KERNEL, lower_bound=lower_bound)
+    options = dict(IN_KERNEL, lower_bound=lower_bound, disable_recompute=disable_recompute)
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
 
@@ -181,6 +183,7 @@ def bench_chunk_backward(heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND
     ours_ms, peer_ms = time_ms(ours), time_ms(peer)  # also the warm-up (compile, autotune)
     memory = f"peak GiB ours {peak_gib(ours):.2f} / FLA {peak_gib(peer):.2f}"
     gate = ", softplus gate" if lower_bound is None else ""
+    gate += ", disable_recompute" if disable_recompute else ""
     return Row(f"chunk_kda fwd+bwd B=1 T={length} H={heads} D={dim} bf16{gate}, {memory}",
                ours_ms, peer_ms)  # fmt: skip
 
@@ -193,6 +196,7 @@ BENCHES = {
     "chunk_varlen": lambda: [bench_chunk_varlen()],
     "chunk_backward": lambda: [bench_chunk_backward()],
     "chunk_backward_softplus": lambda: [bench_chunk_backward(lower_bound=None)],
+    "chunk_backward_kept": lambda: [bench_chunk_backward(disable_recompute=True)],
     "decode": bench_decode,
     "norm": bench_gated_norm,
     "conv": bench_conv_update,

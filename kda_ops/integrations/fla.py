@@ -18,10 +18,11 @@ and every other loaded module that holds the same object under the same name (co
 ``from fla.ops.kda import chunk_kda`` before ``enable()``). Options of FLA that change the
 math and that kda_ops does not implement (``allow_neg_eigval``, ``state_v_first``,
 ``cp_context``, ``return_intermediate_states``, ``gv``, gated-norm ``residual`` /
-``prenorm``, varlen conv final states) raise ``ValueError``; scheduling options
-(``cu_seqlens_cpu``, ``chunk_indices``, ``disable_recompute``, ``use_graph``, ...) are
-ignored. Unlike FLA, no function writes into its inputs except ``ShortConvolution``'s
-single-token decode, which updates ``cache`` in place as FLA's does.
+``prenorm``, varlen conv final states) raise ``ValueError``; ``chunk_kda``'s
+``disable_recompute`` is passed on; other scheduling options (``cu_seqlens_cpu``,
+``chunk_indices``, ``use_graph``, ...) are ignored. Unlike FLA, no function writes into
+its inputs except ``ShortConvolution``'s single-token decode, which updates ``cache`` in
+place as FLA's does.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log,
         dt_bias=kwargs.get("dt_bias"), lower_bound=lower_bound, cu_seqlens=cu_seqlens,
         safe_gate=safe_gate and use_gate_in_kernel,
+        disable_recompute=bool(kwargs.get("disable_recompute", False)),
     )  # fmt: skip
 
 

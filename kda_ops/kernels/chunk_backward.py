@@ -846,17 +846,19 @@ def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     cum_g = torch.empty(*tokens_shape, head_k, **f32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = v.new_empty(*tokens_shape, head_v)
-    aqk, solve = torch.empty(2, layout.n_chunks, value_heads, CHUNK, CHUNK, **f32)
+    # Separate allocations: the training op returns these, and an op's outputs may not
+    # alias one another.
+    aqk, solve = (torch.empty(layout.n_chunks, value_heads, CHUNK, CHUNK, **f32) for _ in range(2))
     chunk_decay = torch.empty(layout.n_chunks, value_heads, head_k, **f32)
-    q_norm, k_norm = torch.empty(2, *tokens_shape, **f32)
+    q_norm, k_norm = (torch.empty(*tokens_shape, **f32) for _ in range(2))
     # Without the safe gate the prepare kernel flags the chunks that decay past the pairs
     # kernel's dense limit; the pairs kernel then runs twice, dense and dyadic chunks.
     # As in the forward, without the safe gate a first launch takes every chunk's diagonal
     # blocks as dense dots and flags (``redo``) the chunks a second one redoes dyadically.
     # (Allocated with the safe gate too, unused, so that the saved tensors' shapes do not
     # depend on the gate.)
-    unbounded, redo = torch.empty(2, layout.n_chunks, value_heads, device=q.device,
-                                  dtype=torch.int8)  # fmt: skip
+    unbounded, redo = (torch.empty(layout.n_chunks, value_heads, device=q.device,
+                                   dtype=torch.int8) for _ in range(2))  # fmt: skip
     passes, flagged = ("bounded", "unbounded"), unbounded
     if layout.flags["SAFE_GATE"]:
         passes, flagged, redo = ("all",), None, None

@@ -89,6 +89,21 @@ def test_flag_must_be_bool(flag):
         kda_ops.chunk_kda(x.q, x.k, x.v, x.g, x.beta, return_intermediate_states=flag)
 
 
+@pytest.mark.parametrize("flag", [1, None, "yes"])
+def test_disable_recompute_must_be_bool(flag):
+    x = delta_rule_inputs(length=5)
+    with pytest.raises(TypeError, match="chunk_kda: `disable_recompute` must be a bool"):
+        kda_ops.chunk_kda(x.q, x.k, x.v, x.g, x.beta, disable_recompute=flag)
+
+
+def test_disable_recompute_is_not_for_inference_states():
+    x = delta_rule_inputs(length=5)
+    message = "chunk_kda: `return_intermediate_states=True` is inference only and `disable_"
+    with pytest.raises(ValueError, match=message):
+        kda_ops.chunk_kda(x.q, x.k, x.v, x.g, x.beta, return_intermediate_states=True,
+                          disable_recompute=True)  # fmt: skip
+
+
 def test_chunk_offsets_checks_its_argument():
     with pytest.raises(TypeError, match="chunk_offsets: `cu_seqlens` must have dtype"):
         kda_ops.chunk_offsets(torch.tensor([0.0, 3.0]))

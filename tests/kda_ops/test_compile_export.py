@@ -1,5 +1,6 @@
 """The ops under torch.compile (fullgraph, CPU) and torch.export (dynamic T)."""
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -11,11 +12,12 @@ GATE = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)  # fmt: skip
 
 
-def prefill_decode_norm(q, k, v, g, beta, A_log, dt_bias, norm_gate, norm_weight):
+def prefill_decode_norm(q, k, v, g, beta, A_log, dt_bias, norm_gate, norm_weight,
+                        disable_recompute=False):  # fmt: skip
     """Prefill all but the last token, decode the last one, gated-norm every output."""
     o, state = kda_ops.chunk_kda(
         q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], output_final_state=True,
-        A_log=A_log, dt_bias=dt_bias, **GATE,
+        A_log=A_log, dt_bias=dt_bias, disable_recompute=disable_recompute, **GATE,
     )  # fmt: skip
     o_last, state = kda_ops.fused_recurrent_kda(
         q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:], A_log, dt_bias,
@@ -47,12 +49,14 @@ def test_compile_fullgraph_matches_eager_without_graph_breaks():
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_compile_training_step_matches_eager_gradients():
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_compile_training_step_matches_eager_gradients(disable_recompute):
     torch._dynamo.reset()
+    counters.clear()
     inputs = model_inputs(12, requires_grad=True)
 
     def loss_fn(*args):
-        out, state = prefill_decode_norm(*args)
+        out, state = prefill_decode_norm(*args, disable_recompute=disable_recompute)
         return out.square().mean() + state.square().mean()
 
     eager_grads = torch.autograd.grad(loss_fn(*inputs), inputs)
@@ -60,26 +64,30 @@ def test_compile_training_step_matches_eager_gradients():
     compiled_grads = torch.autograd.grad(compiled(*inputs), inputs)
     for got, expected in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, expected)
+    assert sum(counters["graph_break"].values()) == 0
 
 
-def test_chunk_kda_keeps_the_backward_inputs_only_when_differentiated():
-    """chunk_kda calls kda::chunk_train when autograd records it, kda::chunk otherwise."""
+def test_disable_recompute_keeps_the_backward_inputs_only_when_differentiated():
+    """chunk_kda calls kda::chunk_train with disable_recompute=True when autograd records
+    it, kda::chunk otherwise (and by default)."""
     inputs = model_inputs(12, requires_grad=True)
 
-    def ops_called(fn):
-        graph = make_fx(fn)(*inputs).graph
+    def ops_called(disable_recompute):
+        def prefill(q, k, v, g, beta, A_log, dt_bias, *_):
+            return kda_ops.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                                     disable_recompute=disable_recompute, **GATE)[0]  # fmt: skip
+
+        graph = make_fx(prefill)(*inputs).graph
         return {node.target for node in graph.nodes if node.op == "call_function"}
 
-    def prefill(q, k, v, g, beta, A_log, dt_bias, *_):
-        return kda_ops.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **GATE)[0]
-
-    trained = ops_called(prefill)
-    assert torch.ops.kda.chunk_train.default in trained
-    assert torch.ops.kda.chunk.default not in trained
+    chunk, chunk_train = torch.ops.kda.chunk.default, torch.ops.kda.chunk_train.default
+    kept = ops_called(True)
+    assert chunk_train in kept and chunk not in kept
+    default = ops_called(False)
+    assert chunk in default and chunk_train not in default
     with torch.no_grad():
-        inferred = ops_called(prefill)
-    assert torch.ops.kda.chunk.default in inferred
-    assert torch.ops.kda.chunk_train.default not in inferred
+        inferred = ops_called(True)
+    assert chunk in inferred and chunk_train not in inferred
 
 
 def test_compile_with_dynamic_length_does_not_recompile():

@@ -1,6 +1,8 @@
 """The torch.library registrations: opcheck (schema, fake kernel, autograd registration,
 AOT dispatch) on every op and float64 gradcheck of every differentiable input."""
 
+import functools
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -155,7 +157,12 @@ def test_opcheck_conv_update_inplace(with_indices):
     opcheck(torch.ops.kda.causal_conv1d_update_.default, args)
 
 
-@pytest.mark.parametrize("function", [kda_ops.chunk_kda, kda_ops.fused_recurrent_kda])
+@pytest.mark.parametrize(
+    "function",
+    [kda_ops.chunk_kda, functools.partial(kda_ops.chunk_kda, disable_recompute=True),
+     kda_ops.fused_recurrent_kda],
+    ids=["chunk", "chunk_disable_recompute", "recurrent"],
+)  # fmt: skip
 @pytest.mark.parametrize("variant", ["softplus", "safe_gate", "gdn", "preactivated", "varlen"])
 def test_gradcheck_delta_rule(function, variant):
     gate = variant != "preactivated"
@@ -229,4 +236,24 @@ def test_backward_matches_autograd_through_the_reference():
     o, s = reference.delta_rule(reference.recurrent_delta_rule, *inputs, *config)
     (o.sum() + (s * s).sum()).backward()
     for got, expected in zip(op_grads, [t.grad for t in inputs]):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("use", ["output", "final_state"])
+def test_training_op_with_an_unused_output(use):
+    """kda::chunk_train does not zero-fill gradients for outputs the loss leaves unused
+    (its saved tensors are as large as the inputs): o or the final state alone."""
+    x = delta_rule_inputs(length=20, value_heads=4, raw_gate=True, unit_qk=False)
+    grads = []
+    for disable_recompute in (False, True):
+        inputs = [t.detach().requires_grad_() for t in x.tensors()]
+        q, k, v, g, beta, A_log, dt_bias, state = inputs
+        o, final = kda_ops.chunk_kda(
+            q, k, v, g, beta, initial_state=state, output_final_state=True,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+            disable_recompute=disable_recompute,
+        )  # fmt: skip
+        (o if use == "output" else final).square().sum().backward()
+        grads.append([t.grad for t in inputs])
+    for got, expected in zip(*grads):
         torch.testing.assert_close(got, expected)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kda_ops import reference
+from kda_ops.delta_rule import saved_like
 from kda_ops.kernels.chunk import launch_chunk_kda
 from kda_ops.kernels.chunk_backward import launch_chunk_kda_backward, launch_chunk_kda_training
 from tests.kda_ops.inputs import delta_rule_inputs
@@ -176,3 +177,18 @@ def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
     expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
     for name, grad, grad_expected in zip(NAMES, got, expected):
         assert torch.equal(grad, grad_expected), name
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 50, 150]], ids=["fixed", "varlen"])
+def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens):
+    """kda::chunk_train's fake kernel (``saved_like``) describes the kept tensors exactly:
+    shape and dtype of each, in order (what torch.compile traces against)."""
+    primals, cu, config, _, _ = kernel_inputs(
+        "softplus_gate", cu_seqlens=cu_seqlens, length=150, n_seqs=2 if cu_seqlens else None,
+        head_k=16, head_v=24,
+    )  # fmt: skip
+    _, _, saved = launch_chunk_kda_training(*primals, cu, *config)
+    expected = saved_like(primals[0], primals[2], cu)
+    assert len(saved) == len(expected)
+    for got, like in zip(saved, expected):
+        assert (got.shape, got.dtype) == (like.shape, like.dtype)
