@@ -122,22 +122,41 @@ delta_rule_backward_op = torch.library.custom_op("kda::delta_rule_backward", mut
 )
 
 
-@delta_rule_backward_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
-      scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+def _gradients_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *_):
+    """The fake kernel of both backward ops: a gradient like each primal, empty for an
+    absent one."""
     primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
 
 
+delta_rule_backward_op.register_fake(_gradients_fake)
+
+_PRIMALS = 9  # q ... cu_seqlens: the tensor inputs of the delta-rule ops
+
+
 def _delta_rule_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:9])
-    ctx.config = inputs[9:]
+    """For kda::chunk, kda::recurrent and kda::chunk_train (whose third output, what it
+    keeps for its backward, is saved after the primals)."""
+    kept = output[2] if len(output) == 3 else ()
+    ctx.save_for_backward(*inputs[:_PRIMALS], *kept)
+    ctx.config = inputs[_PRIMALS:]
+    # No zero-filled gradients for unused outputs (chunk_train's kept ones are large).
+    ctx.set_materialize_grads(False)
 
 
-def _delta_rule_backward(ctx, grad_o: Tensor, grad_final_state: Tensor):
-    saved = ctx.saved_tensors
-    grads = delta_rule_backward_op(*saved, grad_o, grad_final_state, *ctx.config)
-    grads = tuple(None if p is None else grad for p, grad in zip(saved, grads))
+def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
+                         *_grad_kept: Optional[Tensor]):  # fmt: skip
+    primals, kept = ctx.saved_tensors[:_PRIMALS], list(ctx.saved_tensors[_PRIMALS:])
+    if grad_o is None or grad_final_state is None:  # an output the loss does not use
+        o, final_state = _delta_rule_fake(*primals, *ctx.config)
+        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
+        if grad_final_state is None:
+            grad_final_state = torch.zeros_like(final_state)
+    if kept:
+        grads = chunk_backward_op(*primals, grad_o, grad_final_state, kept, *ctx.config)
+    else:
+        grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
+    grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
     return grads + (None,) * (1 + len(ctx.config))
 
 
@@ -148,8 +167,8 @@ for _op in (chunk_op, recurrent_op):
 
 def _keeps_saved(q: Tensor) -> bool:
     """Whether ``kda::chunk_train`` returns the backward's saved tensors for q (the Triton
-    path: CUDA, not float64)."""
-    return q.device.type == "cuda" and q.dtype != torch.float64
+    path: CUDA, not float64, Triton installed)."""
+    return kernels.AVAILABLE and q.device.type == "cuda" and q.dtype != torch.float64
 
 
 def chunk_train_reference(
@@ -188,25 +207,8 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_
 
 def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> list[Tensor]:
     """Empty tensors shaped as ``kda::chunk_train``'s saved outputs on the Triton path
-    (``kernels.chunk_backward.SavedForBackward``, in its order)."""
-    batch, length, _, head_k = q.shape
-    value_heads, head_v = v.shape[2], v.shape[3]
-    rows = _chunk_state_rows(q, cu_seqlens)
-    tokens = (batch, length, value_heads)
-    f32 = dict(dtype=torch.float32)
-    return [
-        q.new_empty(*tokens, head_k, **f32),  # cum_g
-        q.new_empty(*tokens, head_k),  # w
-        v.new_empty(*tokens, head_v),  # u
-        q.new_empty(*tokens, head_k),  # qg
-        q.new_empty(*tokens, head_k),  # kd
-        q.new_empty(rows, value_heads, 64, 64, **f32),  # aqk
-        q.new_empty(rows, value_heads, 64, 64, **f32),  # solve
-        q.new_empty(rows, value_heads, head_k, **f32),  # chunk_decay
-        q.new_empty(*tokens, **f32),  # q_norm
-        q.new_empty(*tokens, **f32),  # k_norm
-        q.new_empty(rows, value_heads, dtype=torch.int8),  # unbounded
-    ]
+    (``kernels.chunk_backward.SavedForBackward``)."""
+    return list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens)))
 
 
 def chunk_backward_reference(
@@ -240,41 +242,8 @@ chunk_backward_op = torch.library.custom_op("kda::chunk_backward_", mutates_args
 )
 
 
-@chunk_backward_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
-      saved, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
-
-
-_PRIMALS = 9  # q ... cu_seqlens: the tensor inputs of the delta-rule ops
-
-
-def _chunk_train_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:_PRIMALS], *output[2])
-    ctx.config = inputs[_PRIMALS:]
-    # Not zero-filled gradients for the saved outputs (as large as they are).
-    ctx.set_materialize_grads(False)
-
-
-def _chunk_train_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
-                          _grad_saved):  # fmt: skip
-    primals = ctx.saved_tensors[:_PRIMALS]
-    if grad_o is None or grad_final_state is None:  # an output the loss does not use
-        o, final_state = _delta_rule_fake(*primals, *ctx.config)
-        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
-        if grad_final_state is None:
-            grad_final_state = torch.zeros_like(final_state)
-    saved = list(ctx.saved_tensors[_PRIMALS:])
-    if saved:
-        grads = chunk_backward_op(*primals, grad_o, grad_final_state, saved, *ctx.config)
-    else:
-        grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
-    grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
-    return grads + (None,) * (1 + len(ctx.config))
-
-
-chunk_train_op.register_autograd(_chunk_train_backward, setup_context=_chunk_train_setup_context)
+chunk_backward_op.register_fake(_gradients_fake)
+chunk_train_op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
 def _chunk_state_rows(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -398,6 +367,7 @@ if kernels.AVAILABLE:
     from kda_ops.kernels.chunk import launch_chunk_kda
     from kda_ops.kernels.chunk_backward import (
         SavedForBackward,
+        empty_saved,
         launch_chunk_kda_backward,
         launch_chunk_kda_training,
     )

@@ -836,43 +836,56 @@ def _layout(
     )
 
 
+def empty_saved(q: Tensor, v: Tensor, n_chunks: int) -> SavedForBackward:
+    """Uninitialised ``SavedForBackward`` for q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and
+    ``n_chunks`` chunk rows (also the training op's fake outputs). Separate allocations:
+    the training op returns them, and an op's outputs may not alias one another. The
+    flags exist with the safe gate too (unused), so that the shapes do not depend on it."""
+    batch, length, _, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    tokens = (batch, length, value_heads)
+    f32 = dict(dtype=torch.float32)
+    return SavedForBackward(
+        cum_g=q.new_empty(*tokens, head_k, **f32),
+        w=q.new_empty(*tokens, head_k),
+        u=v.new_empty(*tokens, head_v),
+        qg=q.new_empty(*tokens, head_k),
+        kd=q.new_empty(*tokens, head_k),
+        aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
+        solve=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
+        chunk_decay=q.new_empty(n_chunks, value_heads, head_k, **f32),
+        q_norm=q.new_empty(*tokens, **f32),
+        k_norm=q.new_empty(*tokens, **f32),
+        unbounded=q.new_empty(n_chunks, value_heads, dtype=torch.int8),
+    )
+
+
 def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                       layout: _Layout) -> SavedForBackward:  # fmt: skip
     """Kernel 1 on contiguous inputs (arguments as ``launch_chunk_kda``'s)."""
-    batch, length, heads, head_k = q.shape
-    value_heads, head_v = v.shape[2], v.shape[3]
-    f32 = dict(device=q.device, dtype=torch.float32)
-    tokens_shape = (batch, length, value_heads)
-    cum_g = torch.empty(*tokens_shape, head_k, **f32)
-    w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
-    u = v.new_empty(*tokens_shape, head_v)
-    # Separate allocations: the training op returns these, and an op's outputs may not
-    # alias one another.
-    aqk, solve = (torch.empty(layout.n_chunks, value_heads, CHUNK, CHUNK, **f32) for _ in range(2))
-    chunk_decay = torch.empty(layout.n_chunks, value_heads, head_k, **f32)
-    q_norm, k_norm = (torch.empty(*tokens_shape, **f32) for _ in range(2))
-    # Without the safe gate the prepare kernel flags the chunks that decay past the pairs
-    # kernel's dense limit; the pairs kernel then runs twice, dense and dyadic chunks.
-    # As in the forward, without the safe gate a first launch takes every chunk's diagonal
-    # blocks as dense dots and flags (``redo``) the chunks a second one redoes dyadically.
-    # (Allocated with the safe gate too, unused, so that the saved tensors' shapes do not
-    # depend on the gate.)
-    unbounded, redo = (torch.empty(layout.n_chunks, value_heads, device=q.device,
-                                   dtype=torch.int8) for _ in range(2))  # fmt: skip
-    passes, flagged = ("bounded", "unbounded"), unbounded
-    if layout.flags["SAFE_GATE"]:
-        passes, flagged, redo = ("all",), None, None
+    _, length, heads, head_k = q.shape
+    value_heads = v.shape[2]
+    saved = empty_saved(q, v, layout.n_chunks)
+    # Without the safe gate the prepare kernel flags (``unbounded``) the chunks that decay
+    # past the pairs kernel's dense limit; the pairs kernel then runs twice, dense and
+    # dyadic chunks. As in the forward, without the safe gate a first launch takes every
+    # chunk's diagonal blocks as dense dots and flags (``redo``) the chunks a second one
+    # redoes dyadically.
+    passes, flagged, redo = ("all",), None, None
+    if not layout.flags["SAFE_GATE"]:
+        passes, flagged = ("bounded", "unbounded"), saved.unbounded
+        redo = torch.empty_like(flagged)
     for chunks in passes:
         chunk_bwd_prepare_kernel[(layout.n_chunks, value_heads)](
             q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, scale,
             0.0 if lower_bound is None else lower_bound, length, layout.n_seqs,
-            cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, flagged, redo,
-            H=heads, HV=value_heads, K=head_k, V=head_v, BK=layout.block_k, BV=layout.block_v,
-            BN=next_power_of_2(layout.n_seqs), **layout.flags, CHUNKS=chunks,
-            num_warps=layout.warps,
+            saved.cum_g, saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.solve,
+            saved.chunk_decay, saved.q_norm, saved.k_norm, flagged, redo,
+            H=heads, HV=value_heads, K=head_k, V=v.shape[3], BK=layout.block_k,
+            BV=layout.block_v, BN=next_power_of_2(layout.n_seqs), **layout.flags,
+            CHUNKS=chunks, num_warps=layout.warps,
         )  # fmt: skip
-    return SavedForBackward(cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
-                            unbounded)  # fmt: skip
+    return saved
 
 
 def launch_chunk_kda_training(
