@@ -15,6 +15,9 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    needs T itself, not just T applied to the forward's right-hand sides) and, with the
    l2norm, the rows' inverse norms (fp32). The forward's ``chunk_recurrence_kernel``
    (``scan_chunks``) then writes the chunk-start states from w, u, kd.
+   ``chunk_bwd_recompute_kernel`` (``recompute_rows``) rebuilds w, u, qg, kd from kernel
+   1's G, chunk decays and T alone, two whole-chunk products instead of the block solve,
+   for a forward that keeps only those.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -94,6 +97,7 @@ from kda_ops.kernels.chunk import (
     sequence_span,
     unit_rows,
 )
+from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
 from kda_ops.kernels.gate import gate_activation
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
@@ -771,6 +775,60 @@ def chunk_bwd_qk_kernel(
              mask=mask)  # fmt: skip
 
 
+@triton.jit
+def chunk_bwd_recompute_kernel(
+    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, chunk_decay, solve,
+    scale, length, n_seqs,
+    w, u, qg, kd,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BN: tl.constexpr, USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """w, u, qg, kd of chunk i_c and value head i_hv (module docstring; ``[B, T, HV, K or
+    V]`` in the input dtype) from kernel 1's G, the chunk's total log-decay and T, without
+    the solve: ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two 64-row products, ``qg = scale
+    Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm and the beta sigmoid are
+    the forward's (``unit_rows``, ``fast_sigmoid``)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    rows = tl.arange(0, 64)
+    tokens = start + rows
+    rows_in = rows < remaining
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    mask_k = rows_in[:, None] & (offs_k < K)[None, :]
+    mask_v = rows_in[:, None] & (offs_v < V)[None, :]
+    value_rows = (tokens * HV + i_hv)[:, None]
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+
+    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
+    r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
+    r_beta = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
+    if USE_BETA_SIGMOID:
+        r_beta = tl.where(rows_in, fast_sigmoid(r_beta), 0.0)
+    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    decay = tl.load(cum_g + value_rows * K + offs_k[None, :], mask=mask_k, other=0.0)
+    decay_last = tl.load(chunk_decay + chunk_id * K + offs_k, mask=offs_k < K, other=0.0)
+    # T's tiles above the diagonal are never written; inside the diagonal ones the upper
+    # triangle is zero.
+    t = tl.load(solve + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
+    t = tl.where(rows[:, None] >= rows[None, :], t, 0.0)
+
+    from_start = fast_exp(decay)
+    b_w = tl.dot(t, r_beta[:, None] * r_k * from_start, input_precision=DOT_PRECISION)
+    b_u = tl.dot(t, r_beta[:, None] * r_v, input_precision=DOT_PRECISION)
+    key_offsets = value_rows * K + offs_k[None, :]
+    tl.store(w + key_offsets, b_w.to(w.dtype.element_ty), mask=mask_k)
+    tl.store(u + value_rows * V + offs_v[None, :], b_u.to(u.dtype.element_ty), mask=mask_v)
+    tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty), mask=mask_k)
+    b_kd = r_k * fast_exp(decay_last[None, :] - decay)
+    tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
+
+
 class SavedForBackward(NamedTuple):
     """What the backward's prepare kernel (kernel 1) leaves for the rest of the backward;
     the training forward (``launch_chunk_kda_training``) keeps it, so that the backward
@@ -886,6 +944,44 @@ def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
             CHUNKS=chunks, num_warps=layout.warps,
         )  # fmt: skip
     return saved
+
+
+def recompute_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    saved: SavedForBackward,
+) -> SavedForBackward:
+    """``saved`` (``launch_chunk_kda_training``'s, for the same arguments) with w, u, qg, kd
+    written again into fresh tensors from its G, chunk decays and T
+    (``chunk_bwd_recompute_kernel``): what a backward can rebuild when the forward kept
+    only the rest."""
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
+                     use_beta_sigmoid)  # fmt: skip
+    batch, length, heads, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    tokens_shape = (batch, length, value_heads)
+    w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
+    u = v.new_empty(*tokens_shape, head_v)
+    chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads)](
+        q, k, v, beta, cu_seqlens, layout.chunk_offsets, saved.cum_g, saved.chunk_decay,
+        saved.solve, scale, length, layout.n_seqs, w, u, qg, kd,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=layout.block_k, BV=layout.block_v,
+        BN=next_power_of_2(layout.n_seqs), USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=layout.flags["DOT_PRECISION"], num_warps=layout.warps,
+    )  # fmt: skip
+    return saved._replace(w=w, u=u, qg=qg, kd=kd)
 
 
 def launch_chunk_kda_training(

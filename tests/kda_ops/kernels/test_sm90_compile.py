@@ -1,8 +1,8 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
 needed): the conv kernels in every one, the gate kernel with both gates, the backward's
-prepare kernel in each of its launches. Without a GPU the other kernel tests run them in
-Triton's interpreter, which accepts code the compiler rejects (a loop-carried tile that
-changes shape) and skips libdevice calls."""
+prepare kernel in each of its launches, its WY and recompute kernels. Without a GPU the
+other kernel tests run them in Triton's interpreter, which accepts code the compiler
+rejects (a loop-carried tile that changes shape) and skips libdevice calls."""
 
 import itertools
 import json
@@ -62,6 +62,11 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
                                  BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
                                  USE_BETA_SIGMOID=True, IS_VARLEN=False,
                                  DOT_PRECISION="tf32")),
+    # w, u, qg, kd rebuilt from kept G and T
+    "chunk_bwd_recompute_kernel": ("chunk_backward", "chunk_bwd_recompute_kernel",
+                                   dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1,
+                                        USE_L2NORM=True, USE_BETA_SIGMOID=True,
+                                        IS_VARLEN=False, DOT_PRECISION="tf32")),
 }  # fmt: skip
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
