@@ -10,11 +10,12 @@ Ops (schemas are inferred from the annotations below):
   ``state_indices`` (for CUDA-graph decode).
 - ``kda::delta_rule_backward``: the gradients of both functional ops (on CUDA, the Triton
   chunk backward of ``kernels/chunk_backward.py``; float64 differentiates the reference).
-- ``kda::chunk_train``: ``kda::chunk`` for training, ``(o, final_state, saved)``: on CUDA
-  ``saved`` is what the backward's first kernel would compute (``SavedForBackward``), made
-  by the forward so that ``kda::chunk_backward_`` need not recompute it; elsewhere it is
-  empty and the backward is ``kda::delta_rule_backward``'s. ``chunk_kda`` calls it with
-  ``disable_recompute=True`` when autograd records the call (not while exporting).
+- ``kda::chunk_train``: ``kda::chunk`` for training (plus ``keep_rows``), ``(o,
+  final_state, saved)``: on CUDA ``saved`` is what the backward's first kernel would
+  compute (``SavedForBackward``; w, u, qg, kd only with ``keep_rows``), made by the
+  forward so that ``kda::chunk_backward_`` need not run it; elsewhere it is empty and the
+  backward is ``kda::delta_rule_backward``'s. ``chunk_kda`` calls it when autograd
+  records the call (not while exporting), ``keep_rows=disable_recompute``.
 - ``kda::chunk_backward_``: the chunk backward from ``saved``, which it overwrites (its
   buffers are the backward's scratch), so a graph's saved tensors serve one backward:
   a second one (``retain_graph``) fails autograd's in-place check instead of reading them.
@@ -139,7 +140,9 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
     keeps for its backward, is saved after the primals)."""
     kept = output[2] if len(output) == 3 else ()
     ctx.save_for_backward(*inputs[:_PRIMALS], *kept)
-    ctx.config = inputs[_PRIMALS:]
+    # scale, lower_bound, use_qk_l2norm, use_beta_sigmoid (not chunk_train's keep_rows)
+    ctx.config = inputs[_PRIMALS : _PRIMALS + 4]
+    ctx.n_inputs = len(inputs)
     # No zero-filled gradients for unused outputs (chunk_train's kept ones are large).
     ctx.set_materialize_grads(False)
 
@@ -157,7 +160,7 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
     else:
         grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
     grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
-    return grads + (None,) * (1 + len(ctx.config))
+    return grads + (None,) * (ctx.n_inputs - len(grads))
 
 
 for _op in (chunk_op, recurrent_op):
@@ -185,6 +188,7 @@ def chunk_train_reference(
     lower_bound: Optional[float],
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
+    keep_rows: bool,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``kda::chunk`` with nothing saved (the reference differentiates its inputs)."""
     o, final_state = chunk_reference(
@@ -199,16 +203,18 @@ chunk_train_op = torch.library.custom_op("kda::chunk_train", mutates_args=())(ch
 
 @chunk_train_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+      use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
     o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                 scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-    return o, final, saved_like(q, v, cu_seqlens) if _keeps_saved(q) else []
+    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(q) else []
 
 
-def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> list[Tensor]:
+def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool) -> list[Tensor]:
     """Empty tensors shaped as ``kda::chunk_train``'s saved outputs on the Triton path
-    (``kernels.chunk_backward.SavedForBackward``)."""
-    return list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens)))
+    (``kernels.chunk_backward.SavedForBackward``; its rows w, u, qg, kd only with
+    ``keep_rows``)."""
+    saved = list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens)))
+    return saved if keep_rows else saved[: -len(ROWS)]
 
 
 def chunk_backward_reference(
@@ -366,7 +372,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, s
 if kernels.AVAILABLE:
     from kda_ops.kernels.chunk import launch_chunk_kda
     from kda_ops.kernels.chunk_backward import (
-        SavedForBackward,
+        ROWS,
         empty_saved,
         launch_chunk_kda_backward,
         launch_chunk_kda_training,
@@ -408,12 +414,12 @@ if kernels.AVAILABLE:
 
     @chunk_train_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+          use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
         if not _keeps_saved(q):
-            return chunk_train_reference(*args, *config)
-        o, final_state, saved = launch_chunk_kda_training(*args, *config)
+            return chunk_train_reference(*args, *config, keep_rows)
+        o, final_state, saved = launch_chunk_kda_training(*args, *config, keep_rows=keep_rows)
         return o, final_state, list(saved)
 
     @chunk_backward_op.register_kernel("cuda")
@@ -423,7 +429,7 @@ if kernels.AVAILABLE:
                 grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
         if not _keeps_saved(q):
             return delta_rule_backward_reference(*args)
-        return launch_chunk_kda_backward(*args, saved=SavedForBackward(*saved))
+        return launch_chunk_kda_backward(*args, saved=saved)
 
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -456,14 +462,14 @@ def _differentiated(tensors: tuple[Optional[Tensor], ...]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _keeps_for_backward(
+def _trains(
     disable_recompute: object,
     return_intermediate_states: bool,
     inputs: tuple[Optional[Tensor], ...],
 ) -> bool:
     """Validates ``disable_recompute`` of :func:`chunk_kda`; whether it calls
-    ``kda::chunk_train``: asked, differentiated, and not while exporting (exported graphs
-    hold ``kda::chunk``)."""
+    ``kda::chunk_train``: when autograd records the call, and never while exporting
+    (exported graphs hold ``kda::chunk``)."""
     check = ArgumentChecker("chunk_kda")
     if not isinstance(disable_recompute, bool):
         got = type(disable_recompute).__name__
@@ -474,7 +480,7 @@ def _keeps_for_backward(
             "`return_intermediate_states=True` is inference only and "
             "`disable_recompute=True` is for training: pass at most one",
         )
-    return disable_recompute and _differentiated(inputs) and not torch.compiler.is_exporting()
+    return _differentiated(inputs) and not torch.compiler.is_exporting()
 
 
 def _resolve_scale(scale: Optional[float], head_k: int) -> float:
@@ -547,14 +553,15 @@ def chunk_kda(
         return_intermediate_states: also return h, the state at the start of every chunk
             of 64 tokens (FLA's option; inference only: no input may require grad while
             grad mode is on).
-        disable_recompute: FLA's option to keep what the backward needs from the forward
-            rather than recompute it. When autograd records the call (CUDA), the forward
-            runs the backward's first kernel and keeps its outputs until the backward,
-            which skips it: about 1.1 GB more held per call at B = 1, T = 8192, HV = 64,
-            K = V = 128 (a training step there: 12.1 -> 10.7 ms on an H200, peak 3.53 ->
-            3.79 GiB). The backward uses the kept tensors as scratch, so the graph can be
-            backpropagated once (a second backward with ``retain_graph=True`` raises).
-            Without autograd, and off CUDA, it changes nothing.
+        disable_recompute: FLA's option to keep more of the forward for the backward.
+            When autograd records the call (CUDA), the forward runs the backward's first
+            kernel and keeps its G, Aqk and T (fp32; about 0.54 GB at B = 1, T = 8192,
+            HV = 64, K = V = 128), from which the backward rebuilds w, u, qg, kd with two
+            whole-chunk products; with ``disable_recompute=True`` it keeps those too
+            (about 1.1 GB there). Either way the backward uses the kept tensors as
+            scratch, so the graph can be backpropagated once (a second backward with
+            ``retain_graph=True`` raises). Without autograd, and off CUDA, it changes
+            nothing.
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,
@@ -577,8 +584,8 @@ def chunk_kda(
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     intermediate = _check_return_intermediate_states(return_intermediate_states, args[:8])
-    if _keeps_for_backward(disable_recompute, intermediate, args[:8]):
-        o, final_state, _ = chunk_train_op(*args)
+    if _trains(disable_recompute, intermediate, args[:8]):
+        o, final_state, _ = chunk_train_op(*args, disable_recompute)
         return o, final_state if output_final_state else None
     if not intermediate:
         o, final_state = chunk_op(*args)

@@ -15,7 +15,7 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    needs T itself, not just T applied to the forward's right-hand sides) and, with the
    l2norm, the rows' inverse norms (fp32). The forward's ``chunk_recurrence_kernel``
    (``scan_chunks``) then writes the chunk-start states from w, u, kd.
-   ``chunk_bwd_recompute_kernel`` (``recompute_rows``) rebuilds w, u, qg, kd from kernel
+   ``chunk_bwd_recompute_kernel`` rebuilds w, u, qg, kd from kernel
    1's G, chunk decays and T alone, two whole-chunk products instead of the block solve,
    for a forward that keeps only those.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
@@ -76,6 +76,7 @@ of kernel 4 take exact fp32 products (see ``_dense_diagonal_grads``). dβ_i = Σ
 sum A's row term already forms, rather than by a K Kᵀ dot.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 import torch
@@ -831,25 +832,29 @@ def chunk_bwd_recompute_kernel(
 
 class SavedForBackward(NamedTuple):
     """What the backward's prepare kernel (kernel 1) leaves for the rest of the backward;
-    the training forward (``launch_chunk_kda_training``) keeps it, so that the backward
-    does not run kernel 1 again. With R chunk rows (``chunk_state_rows``): G fp32
-    ``[B, T, HV, K]``; w, qg, kd ``[B, T, HV, K]`` in q's dtype and u ``[B, T, HV, V]`` in
-    v's; Aqk and T fp32 ``[R, HV, 64, 64]``; the chunks' total log-decay fp32 ``[R, HV,
-    K]``; the inverse norms of the q and k rows fp32 ``[B, T, HV]``; without the safe gate
-    the int8 ``[R, HV]`` flags of the chunks the pairs kernel takes dyadically (unused with
-    it)."""
+    the training forward (``launch_chunk_kda_training``) keeps it, or all but its last
+    ``len(ROWS)`` fields, so that the backward does not run kernel 1 again. With R chunk
+    rows (``chunk_state_rows``): G fp32 ``[B, T, HV, K]``; Aqk and T fp32 ``[R, HV, 64,
+    64]``; the chunks' total log-decay fp32 ``[R, HV, K]``; the inverse norms of the q and
+    k rows fp32 ``[B, T, HV]``; without the safe gate the int8 ``[R, HV]`` flags of the
+    chunks the pairs kernel takes dyadically (unused with it); then the rows: w, qg, kd
+    ``[B, T, HV, K]`` in q's dtype and u ``[B, T, HV, V]`` in v's, which
+    ``chunk_bwd_recompute_kernel`` rebuilds from the rest."""
 
     cum_g: Tensor
-    w: Tensor
-    u: Tensor
-    qg: Tensor
-    kd: Tensor
     aqk: Tensor
     solve: Tensor
     chunk_decay: Tensor
     q_norm: Tensor
     k_norm: Tensor
     unbounded: Tensor
+    w: Tensor
+    u: Tensor
+    qg: Tensor
+    kd: Tensor
+
+
+ROWS = ("w", "u", "qg", "kd")  # SavedForBackward's last fields
 
 
 class _Layout(NamedTuple):
@@ -946,42 +951,25 @@ def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     return saved
 
 
-def recompute_rows(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
-    saved: SavedForBackward,
-) -> SavedForBackward:
-    """``saved`` (``launch_chunk_kda_training``'s, for the same arguments) with w, u, qg, kd
-    written again into fresh tensors from its G, chunk decays and T
-    (``chunk_bwd_recompute_kernel``): what a backward can rebuild when the forward kept
-    only the rest."""
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
-                     use_beta_sigmoid)  # fmt: skip
+def _rebuild_rows(q, k, v, beta, cu_seqlens, scale, use_qk_l2norm, use_beta_sigmoid,
+                  kept: Sequence[Tensor], layout: _Layout) -> SavedForBackward:  # fmt: skip
+    """``SavedForBackward`` from its fields but the rows (``kept``), the rows written by
+    ``chunk_bwd_recompute_kernel`` into fresh tensors (contiguous inputs)."""
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     tokens_shape = (batch, length, value_heads)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = v.new_empty(*tokens_shape, head_v)
+    cum_g, _, solve, chunk_decay = kept[:4]
     chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads)](
-        q, k, v, beta, cu_seqlens, layout.chunk_offsets, saved.cum_g, saved.chunk_decay,
-        saved.solve, scale, length, layout.n_seqs, w, u, qg, kd,
+        q, k, v, beta, cu_seqlens, layout.chunk_offsets, cum_g, chunk_decay, solve, scale,
+        length, layout.n_seqs, w, u, qg, kd,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=layout.block_k, BV=layout.block_v,
         BN=next_power_of_2(layout.n_seqs), USE_L2NORM=use_qk_l2norm,
         USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=layout.flags["DOT_PRECISION"], num_warps=layout.warps,
     )  # fmt: skip
-    return saved._replace(w=w, u=u, qg=qg, kd=kd)
+    return SavedForBackward(*kept, w, u, qg, kd)
 
 
 def launch_chunk_kda_training(
@@ -998,10 +986,12 @@ def launch_chunk_kda_training(
     lower_bound: Optional[float],
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
-) -> tuple[Tensor, Tensor, SavedForBackward]:
+    keep_rows: bool = True,
+) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
     prepare step is the backward's kernel 1, whose outputs are returned for
-    ``launch_chunk_kda_backward(..., saved=)``. H200, B = 1, T = 8192, H = 64, bf16
+    ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
+    unless ``keep_rows``). H200, B = 1, T = 8192, H = 64, bf16
     (launch level): forward 1767 -> 2664 µs, forward + backward 11973 -> 10725 µs, the
     gradients bit-equal; the kept tensors (about 1.1 GB there) live until the backward."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -1017,7 +1007,7 @@ def launch_chunk_kda_training(
     scan_chunks((saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.chunk_decay),
                 initial_state, cu_seqlens, layout.chunk_offsets, o, final_state, None,
                 layout.flags["DOT_PRECISION"])  # fmt: skip
-    return o, final_state, saved
+    return o, final_state, saved if keep_rows else saved[: -len(ROWS)]
 
 
 def launch_chunk_kda_backward(
@@ -1036,7 +1026,7 @@ def launch_chunk_kda_backward(
     lower_bound: Optional[float],
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
-    saved: Optional[SavedForBackward] = None,
+    saved: Optional[Sequence[Tensor]] = None,
 ) -> tuple[Tensor, ...]:
     """Gradients of ``launch_chunk_kda`` (same arguments, shapes and dtypes) given
     ``grad_o`` ``[B, T, HV, V]`` (v's dtype) and ``grad_final_state`` ``[N, HV, K, V]``
@@ -1044,8 +1034,8 @@ def launch_chunk_kda_backward(
     in its input's dtype and shape; an absent optional input gets an empty tensor
     (``kda::delta_rule_backward``'s convention). No host sync, varlen included.
     ``saved``: kernel 1's outputs from ``launch_chunk_kda_training`` (then kernel 1 does
-    not run; the backward overwrites their Aqk, T and, when K == V, qg and kd: they serve
-    one backward).
+    not run; without the rows, ``chunk_bwd_recompute_kernel`` rebuilds them; the backward
+    overwrites Aqk, T and, when K == V, qg and kd: they serve one backward).
 
     Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
     gradients (fp32 ``[R, HV, K, V]`` each), dv_new, three row-gradient buffers (fp32
@@ -1063,7 +1053,10 @@ def launch_chunk_kda_backward(
     if saved is None:
         saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
                                   lower_bound, layout)  # fmt: skip
-    cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded = saved
+    elif len(saved) < len(SavedForBackward._fields):
+        saved = _rebuild_rows(q, k, v, beta, cu_seqlens, scale, use_qk_l2norm, use_beta_sigmoid,
+                              saved, layout)  # fmt: skip
+    cum_g, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_seqs, offsets, n_chunks = layout.n_seqs, layout.chunk_offsets, layout.n_chunks
     block_k, block_v, flags, warps = layout.block_k, layout.block_v, layout.flags, layout.warps

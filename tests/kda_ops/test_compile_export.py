@@ -67,26 +67,26 @@ def test_compile_training_step_matches_eager_gradients(disable_recompute):
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_disable_recompute_keeps_the_backward_inputs_only_when_differentiated():
-    """chunk_kda calls kda::chunk_train with disable_recompute=True when autograd records
-    it, kda::chunk otherwise (and by default)."""
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_training_op_only_when_differentiated(disable_recompute):
+    """chunk_kda calls kda::chunk_train (keeping w, u, qg, kd with disable_recompute) when
+    autograd records it, kda::chunk otherwise."""
     inputs = model_inputs(12, requires_grad=True)
 
-    def ops_called(disable_recompute):
+    def graph_calls():
         def prefill(q, k, v, g, beta, A_log, dt_bias, *_):
             return kda_ops.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                                      disable_recompute=disable_recompute, **GATE)[0]  # fmt: skip
 
         graph = make_fx(prefill)(*inputs).graph
-        return {node.target for node in graph.nodes if node.op == "call_function"}
+        return [node for node in graph.nodes if node.op == "call_function"]
 
     chunk, chunk_train = torch.ops.kda.chunk.default, torch.ops.kda.chunk_train.default
-    kept = ops_called(True)
-    assert chunk_train in kept and chunk not in kept
-    default = ops_called(False)
-    assert chunk in default and chunk_train not in default
+    trained = [node for node in graph_calls() if node.target in (chunk, chunk_train)]
+    assert [node.target for node in trained] == [chunk_train]
+    assert trained[0].args[-1] is disable_recompute  # keep_rows
     with torch.no_grad():
-        inferred = ops_called(True)
+        inferred = {node.target for node in graph_calls()}
     assert chunk in inferred and chunk_train not in inferred
 
 

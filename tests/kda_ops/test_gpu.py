@@ -329,31 +329,44 @@ def test_chunk_backward_against_fla(lower_bound):
     assert all(errors[n] < GRAD_TOLERANCE[n] for n in errors), errors
 
 
+def recomputing_chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, lower_bound,
+                          cu_seqlens=None, **in_kernel):  # fmt: skip
+    """chunk_kda through ``kda::chunk``, whose backward runs kernel 1 itself (the
+    in-kernel gate, l2norm and beta sigmoid of ``chunk_inputs``)."""
+    assert all(in_kernel[flag] for flag in IN_KERNEL)
+    return torch.ops.kda.chunk(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                               q.shape[-1] ** -0.5, lower_bound, True, True)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
-    """chunk_kda(disable_recompute=True) (kda::chunk_train keeps the backward's first
-    kernel's outputs; kda::chunk_backward_ starts from them) against the default, which
-    recomputes them: the same kernels, so the same bits. Its graph backpropagates once."""
+    """chunk_kda(disable_recompute=True) (kda::chunk_train keeps every output of the
+    backward's first kernel; kda::chunk_backward_ starts from them) against kda::chunk,
+    whose backward runs that kernel itself: the same kernels, so the same bits. chunk_kda's
+    default keeps G, Aqk and T only (checked against float64 in
+    test_chunk_backward_against_float64_reference). Either graph backpropagates once."""
     x, kwargs = chunk_inputs(1000, 4, lower_bound)
     x = {name: t.to(dtype) if t.dtype == torch.bfloat16 else t for name, t in x.items()}
     if varlen:
         kwargs["cu_seqlens"] = torch.tensor([0, 1, 300, 1000], device="cuda", dtype=torch.int32)
     state = torch.randn(3 if varlen else 1, 4, 128, 128, device="cuda")
     grad_o, grad_state = torch.randn_like(x["v"]), torch.randn_like(state)
-    grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
+    expected = chunk_kda_grads(recomputing_chunk_kda, x, state, grad_o, grad_state, **kwargs)
     kept = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state,
                            disable_recompute=True, **kwargs)  # fmt: skip
-    assert all(torch.equal(kept[name], grads[name]) for name in grads)
+    assert all(torch.equal(kept[name], expected[name]) for name in expected)
 
-    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
-    o, final = kda_ops.chunk_kda(**leaves, initial_state=state, disable_recompute=True, **kwargs)
-    expected, _ = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
-    assert torch.equal(o, expected)
-    (o.float().square().sum() + final.square().sum()).backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        o.float().square().sum().backward()
+    for disable_recompute in (False, True):
+        leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+        o, final = kda_ops.chunk_kda(**leaves, initial_state=state,
+                                     disable_recompute=disable_recompute, **kwargs)  # fmt: skip
+        inferred, _ = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
+        assert torch.equal(o, inferred)
+        (o.float().square().sum() + final.square().sum()).backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.float().square().sum().backward()
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

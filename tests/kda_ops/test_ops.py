@@ -10,12 +10,8 @@ from torch.library import opcheck
 import kda_ops
 from tests.kda_ops.inputs import delta_rule_inputs
 
-DELTA_RULE_OPS = [
-    torch.ops.kda.chunk.default,
-    torch.ops.kda.recurrent.default,
-    torch.ops.kda.chunk_train.default,
-]
-DELTA_RULE_IDS = ["chunk", "recurrent", "chunk_train"]
+DELTA_RULE_OPS = [torch.ops.kda.chunk.default, torch.ops.kda.recurrent.default]
+DELTA_RULE_IDS = ["chunk", "recurrent"]
 
 
 def delta_rule_op_args(x, *, gate, initial_state, cu_seqlens=None, lower_bound=None):
@@ -55,6 +51,18 @@ def test_opcheck_delta_rule_varlen(op):
     x = delta_rule_inputs(length=40, n_seqs=3, raw_gate=True, requires_grad=True)
     cu_seqlens = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
     opcheck(op, delta_rule_op_args(x, gate=True, initial_state=True, cu_seqlens=cu_seqlens))
+
+
+@pytest.mark.parametrize("keep_rows", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_chunk_train(keep_rows, varlen, requires_grad):
+    x = delta_rule_inputs(length=40, n_seqs=3 if varlen else None, raw_gate=True,
+                          requires_grad=requires_grad)  # fmt: skip
+    cu_seqlens = torch.tensor([0, 7, 30, 40], dtype=torch.int32) if varlen else None
+    args = delta_rule_op_args(x, gate=True, initial_state=True, cu_seqlens=cu_seqlens,
+                              lower_bound=-5.0)  # fmt: skip
+    opcheck(torch.ops.kda.chunk_train.default, (*args, keep_rows))
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ from kda_ops import reference
 from kda_ops.delta_rule import saved_like
 from kda_ops.kernels.chunk import launch_chunk_kda
 from kda_ops.kernels.chunk_backward import (
+    ROWS,
     launch_chunk_kda_backward,
     launch_chunk_kda_training,
-    recompute_rows,
 )
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, relative_error
@@ -183,36 +183,37 @@ def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
         assert torch.equal(grad, grad_expected), name
 
 
+@pytest.mark.parametrize("keep_rows", [False, True])
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 50, 150]], ids=["fixed", "varlen"])
-def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens):
+def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows):
     """kda::chunk_train's fake kernel (``saved_like``) describes the kept tensors exactly:
     shape and dtype of each, in order (what torch.compile traces against)."""
     primals, cu, config, _, _ = kernel_inputs(
         "softplus_gate", cu_seqlens=cu_seqlens, length=150, n_seqs=2 if cu_seqlens else None,
         head_k=16, head_v=24,
     )  # fmt: skip
-    _, _, saved = launch_chunk_kda_training(*primals, cu, *config)
-    expected = saved_like(primals[0], primals[2], cu)
+    _, _, saved = launch_chunk_kda_training(*primals, cu, *config, keep_rows=keep_rows)
+    expected = saved_like(primals[0], primals[2], cu, keep_rows)
     assert len(saved) == len(expected)
     for got, like in zip(saved, expected):
         assert (got.shape, got.dtype) == (like.shape, like.dtype)
 
 
 @pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "pregated", "gdn"])
-def test_recomputed_rows_match_the_solved_ones(variant):
-    """w, u, qg, kd rebuilt from the kept G and T (``w = T β K̂Γ``, ``u = T β V`` as whole
-    products) equal what kernel 1's block solve wrote, to fp32 rounding, and the backward
-    from them gives the same gradients; packed sequences, K != V."""
+def test_rebuilt_rows_match_the_solved_ones(variant):
+    """Kept without w, u, qg, kd, the backward rebuilds them from G and T (``w = T β K̂Γ``,
+    ``u = T β V`` as whole products): equal to what kernel 1's block solve wrote to fp32
+    rounding, and so are the gradients; packed sequences, K != V."""
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
         variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=24
     )
     _, _, saved = launch_chunk_kda_training(*primals, cu_seqlens, *config)
-    rebuilt = recompute_rows(*primals[:7], cu_seqlens, *config, saved)
-    for name in ("w", "u", "qg", "kd"):
-        assert relative_error(getattr(rebuilt, name), getattr(saved, name)) < 1e-5, name
+    _, _, kept = launch_chunk_kda_training(*primals, cu_seqlens, *config, keep_rows=False)
+    assert len(kept) == len(saved) - len(ROWS)
     got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
-                                    saved=rebuilt)  # fmt: skip
-    expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
+                                    saved=kept)  # fmt: skip
+    expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+                                         saved=saved)  # fmt: skip
     for name, grad, grad_expected in zip(NAMES, got, expected):
         if grad_expected.numel():
             assert relative_error(grad, grad_expected) < 1e-5, name
