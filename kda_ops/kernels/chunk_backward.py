@@ -789,7 +789,9 @@ def chunk_bwd_recompute_kernel(
     V]`` in the input dtype) from kernel 1's G, the chunk's total log-decay and T, without
     the solve: ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two 64-row products, ``qg = scale
     Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm and the beta sigmoid are
-    the forward's (``unit_rows``, ``fast_sigmoid``)."""
+    the forward's (``unit_rows``, ``fast_sigmoid``). Each output is stored as soon as it is
+    made, so that few tiles are live at once (sm_90, 8 warps: 128 registers, two programs
+    an SM; in the order of the formulas above, 250)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -806,28 +808,27 @@ def chunk_bwd_recompute_kernel(
     value_rows = (tokens * HV + i_hv)[:, None]
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
 
-    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
+    key_offsets = value_rows * K + offs_k[None, :]
+    decay = tl.load(cum_g + key_offsets, mask=mask_k, other=0.0)
+    from_start = fast_exp(decay)
     r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
+    tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty), mask=mask_k)
+    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
+    decay_last = tl.load(chunk_decay + chunk_id * K + offs_k, mask=offs_k < K, other=0.0)
+    b_kd = r_k * fast_exp(decay_last[None, :] - decay)
+    tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
     r_beta = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
     if USE_BETA_SIGMOID:
         r_beta = tl.where(rows_in, fast_sigmoid(r_beta), 0.0)
-    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
-    decay = tl.load(cum_g + value_rows * K + offs_k[None, :], mask=mask_k, other=0.0)
-    decay_last = tl.load(chunk_decay + chunk_id * K + offs_k, mask=offs_k < K, other=0.0)
     # T's tiles above the diagonal are never written; inside the diagonal ones the upper
     # triangle is zero.
     t = tl.load(solve + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
     t = tl.where(rows[:, None] >= rows[None, :], t, 0.0)
-
-    from_start = fast_exp(decay)
     b_w = tl.dot(t, r_beta[:, None] * r_k * from_start, input_precision=DOT_PRECISION)
-    b_u = tl.dot(t, r_beta[:, None] * r_v, input_precision=DOT_PRECISION)
-    key_offsets = value_rows * K + offs_k[None, :]
     tl.store(w + key_offsets, b_w.to(w.dtype.element_ty), mask=mask_k)
+    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    b_u = tl.dot(t, r_beta[:, None] * r_v, input_precision=DOT_PRECISION)
     tl.store(u + value_rows * V + offs_v[None, :], b_u.to(u.dtype.element_ty), mask=mask_v)
-    tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty), mask=mask_k)
-    b_kd = r_k * fast_exp(decay_last[None, :] - decay)
-    tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
 
 
 class SavedForBackward(NamedTuple):
