@@ -13,12 +13,14 @@ Ops (schemas are inferred from the annotations below):
 - ``kda::chunk_train``: ``kda::chunk`` for training (plus ``keep_rows``), ``(o,
   final_state, saved)``: on CUDA ``saved`` is what the backward's first kernel would
   compute (``SavedForBackward``; w, u, qg, kd only with ``keep_rows``), made by the
-  forward so that ``kda::chunk_backward_`` need not run it; elsewhere it is empty and the
+  forward so that the backward need not run it; elsewhere it is empty and the
   backward is ``kda::delta_rule_backward``'s. ``chunk_kda`` calls it when autograd
   records the call (not while exporting), ``keep_rows=disable_recompute``.
-- ``kda::chunk_backward_``: the chunk backward from ``saved``, which it overwrites (its
-  buffers are the backward's scratch), so a graph's saved tensors serve one backward:
-  a second one (``retain_graph``) fails autograd's in-place check instead of reading them.
+- ``kda::chunk_backward``: the chunk backward from ``saved`` without the rows, which it
+  only reads (a graph may be backpropagated again, ``retain_graph``).
+- ``kda::chunk_backward_``: the same from ``saved`` with the rows, which it overwrites
+  (its buffers are the backward's scratch), so such a graph's saved tensors serve one
+  backward: a second one fails autograd's in-place check instead of reading them.
 """
 
 from typing import Optional
@@ -142,6 +144,7 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:_PRIMALS], *kept)
     # scale, lower_bound, use_qk_l2norm, use_beta_sigmoid (not chunk_train's keep_rows)
     ctx.config = inputs[_PRIMALS : _PRIMALS + 4]
+    ctx.keeps_rows = len(inputs) > _PRIMALS + 4 and inputs[_PRIMALS + 4]
     ctx.n_inputs = len(inputs)
     # No zero-filled gradients for unused outputs (chunk_train's kept ones are large).
     ctx.set_materialize_grads(False)
@@ -156,7 +159,8 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
         if grad_final_state is None:
             grad_final_state = torch.zeros_like(final_state)
     if kept:
-        grads = chunk_backward_op(*primals, grad_o, grad_final_state, kept, *ctx.config)
+        backward = chunk_backward_scratch_op if ctx.keeps_rows else chunk_backward_op
+        grads = backward(*primals, grad_o, grad_final_state, kept, *ctx.config)
     else:
         grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
     grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
@@ -235,20 +239,23 @@ def chunk_backward_reference(
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``kda::delta_rule_backward`` given ``kda::chunk_train``'s saved tensors; off the
-    Triton path it differentiates the reference and leaves them untouched."""
+    """``kda::delta_rule_backward`` given ``kda::chunk_train``'s saved tensors (for
+    ``kda::chunk_backward`` and ``kda::chunk_backward_``); off the Triton path it
+    differentiates the reference and leaves them untouched."""
     return delta_rule_backward_reference(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
         scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
     )  # fmt: skip
 
 
-chunk_backward_op = torch.library.custom_op("kda::chunk_backward_", mutates_args=("saved",))(
+chunk_backward_op = torch.library.custom_op("kda::chunk_backward", mutates_args=())(
     chunk_backward_reference
 )
-
-
-chunk_backward_op.register_fake(_gradients_fake)
+chunk_backward_scratch_op = torch.library.custom_op(
+    "kda::chunk_backward_", mutates_args=("saved",)
+)(chunk_backward_reference)
+for _op in (chunk_backward_op, chunk_backward_scratch_op):
+    _op.register_fake(_gradients_fake)
 chunk_train_op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
@@ -422,14 +429,18 @@ if kernels.AVAILABLE:
         o, final_state, saved = launch_chunk_kda_training(*args, *config, keep_rows=keep_rows)
         return o, final_state, list(saved)
 
-    @chunk_backward_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
-          saved, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    def _chunk_backward_cuda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                             grad_o, grad_final_state, saved, scale, lower_bound,
+                             use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+        # The launch overwrites saved exactly when it holds the rows (kda::chunk_backward_).
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
                 grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
         if not _keeps_saved(q):
             return delta_rule_backward_reference(*args)
         return launch_chunk_kda_backward(*args, saved=saved)
+
+    for _op in (chunk_backward_op, chunk_backward_scratch_op):
+        _op.register_kernel("cuda")(_chunk_backward_cuda)
 
     @recurrent_op.register_kernel("cuda")
     def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -480,7 +491,15 @@ def _trains(
             "`return_intermediate_states=True` is inference only and "
             "`disable_recompute=True` is for training: pass at most one",
         )
-    return _differentiated(inputs) and not torch.compiler.is_exporting()
+    return _differentiated(inputs) and not _exporting()
+
+
+def _exporting() -> bool:
+    """``torch.compiler.is_exporting()``, read from the flag that torch.export sets: the
+    function itself is folded to True under any torch.compile by Dynamo before
+    pytorch/pytorch#176499 (torch 2.11 on the H200 machine), which sent every compiled
+    training call to ``kda::chunk``."""
+    return torch.compiler._is_exporting_flag
 
 
 def _resolve_scale(scale: Optional[float], head_k: int) -> float:

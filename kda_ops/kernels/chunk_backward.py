@@ -53,7 +53,9 @@ memory (input dtype, as the products that read them): one pass over V with the t
 ``[C, K]`` row gradients accumulated in registers needed ~250 registers a thread and
 spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is one dot. Kernel 4
 needs row blocks of what kernel 3 builds on 64 rows: dA goes over T's buffer and
-scale·dAqk over Aqk's (neither is needed any more), the row-local gradients into fp32
+scale·dAqk over Aqk's (neither is needed any more) unless they were kept by the forward
+without the rows (the default training path: a graph may be backpropagated again, so
+they get fresh buffers), the row-local gradients into fp32
 dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
 Kernels 3 and 4 are separate because they only communicate through memory anyway, and
 apart each needs fewer registers. Kernel 4 was one program per chunk and value head on
@@ -275,15 +277,15 @@ def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i
 
 
 @triton.jit
-def _pair_tiles(aqk, solve, chunk_id, i_b, j_b):
+def _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b):
     """Tile (i_b, j_b) of this chunk's dA and scale·dAqk, ``[BLOCK, BLOCK]`` fp32."""
     sub = tl.arange(0, BLOCK)
     tile = chunk_id * 64 * 64 + (sub + i_b * BLOCK)[:, None] * 64 + (sub + j_b * BLOCK)[None, :]
-    return tl.load(solve + tile), tl.load(aqk + tile)
+    return tl.load(d_a_tiles + tile), tl.load(d_aqk_tiles + tile)
 
 
 @triton.jit
-def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k, c_cum,
+def _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k, c_cum,
                    rows_a, rows_q, col, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Adds the pairs of row block i_b with an earlier column block j_b, their factors
     split at i_b's first row: e^{G_i - G_j} = e^{G_i - ref} e^{ref - G_j}, both <= 1.
@@ -292,7 +294,7 @@ def _earlier_block(aqk, solve, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k,
     scaled by β_i e^{G_i - ref}), ``rows_q += scale·dAqk k̂_j e^{ref - G_j}`` (by e^{G_i -
     ref}) and the column block's ``col += e^{ref - G_j} ⊙ ((β dA)ᵀ k_in + dAqkᵀ q_in)``, all
     ``[BLOCK, BK]`` fp32."""
-    d_a, m_q = _pair_tiles(aqk, solve, chunk_id, i_b, j_b)
+    d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b)
     dot_dtype = k_in.dtype
     to_ref = tl.exp(ref[None, :] - c_cum)
     k_ref = (c_k * to_ref).to(dot_dtype)
@@ -409,7 +411,8 @@ def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.
 def chunk_bwd_wy_kernel(
     q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
     grad_o, dv_new, scale, length, n_seqs,
-    aqk, solve, v_new_rows, d_ru_rows, dq_rows, dk_rows, d_cum_rows, dv, dbeta,
+    solve, d_aqk_tiles, d_a_tiles, v_new_rows, d_ru_rows, dq_rows, dk_rows, d_cum_rows, dv,
+    dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
     BN: tl.constexpr, CHUNK: tl.constexpr,
@@ -428,8 +431,9 @@ def chunk_bwd_wy_kernel(
 
     Writes dv (v's dtype, final), the row-local parts of dq, dk (of the l2-normalised
     rows, per value head), dG (all three fp32 ``[B, T, HV, K]``) and dbeta (fp32
-    ``[B, T, HV]``), and overwrites T in ``solve`` with dA and ``aqk`` with scale·dAqk
-    (both ``[C, C]`` fp32, zero above the diagonal, strictly lower for dA)."""
+    ``[B, T, HV]``), dA into ``d_a_tiles`` and scale·dAqk into ``d_aqk_tiles`` (both
+    ``[C, C]`` fp32 a chunk, zero above the diagonal, strictly lower for dA; they may be
+    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -481,7 +485,10 @@ def chunk_bwd_wy_kernel(
         d_beta += tl.sum(d_ru * b_v, axis=1)
         d_a -= tl.dot(d_ru, tl.trans(b_u), input_precision=DOT_PRECISION)
     tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
-    tl.store(aqk + square + in_square, tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0))
+    tl.store(
+        d_aqk_tiles + square + in_square,
+        tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0),
+    )
 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
@@ -534,7 +541,7 @@ def chunk_bwd_wy_kernel(
         tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
         tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
-    tl.store(solve + square + in_square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
+    tl.store(d_a_tiles + square + in_square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
 
 
 @triton.jit
@@ -582,7 +589,7 @@ def _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k, offs_k
 
 
 @triton.jit
-def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
+def _finish_block(g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate,
                   dq_rows, dk_rows, dg, dbeta_part,
                   start, remaining, chunk_id, i_b, i_hv, i_k, offs_k,
                   r_q, r_k, r_beta, r_cum, ref, up, rows_a, rows_q, col, d_later, d_a_log, d_dt,
@@ -600,7 +607,7 @@ def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
-    d_a, m_q = _pair_tiles(aqk, solve, chunk_id, i_b, i_b)
+    d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, i_b)
     if DENSE:
         diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
                                                                  r_cum, ref, up)  # fmt: skip
@@ -632,8 +639,8 @@ def _finish_block(g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate,
 
 @triton.jit
 def chunk_bwd_pairs_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, aqk,
-    solve, d_cum_rows, unbounded,
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, d_aqk_tiles,
+    d_a_tiles, d_cum_rows, unbounded,
     lower_bound, length, n_seqs,
     dq_rows, dk_rows, dg, dbeta_part, dA_log_part, ddt_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -645,7 +652,7 @@ def chunk_bwd_pairs_kernel(
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k (every pair term
     is a per-column product but for dβ's sum over columns, whose shares the launcher adds):
-    the pair terms of A (cotangent dA from ``solve``) and Aqk (scale·dAqk from ``aqk``),
+    the pair terms of A (cotangent dA from ``d_a_tiles``) and Aqk (scale·dAqk from ``d_aqk_tiles``),
     added in place to dq̂ / dk̂ (``dq_rows`` / ``dk_rows``, fp32 ``[B, T, HV, K]``, of the
     l2-normalised rows); dg (g's dtype and shape; for the scalar gate this block's share,
     fp32 ``[B, T, HV, N_K]``), dβ's share (fp32 ``[B, T, HV, N_K]``, before the sigmoid
@@ -702,43 +709,43 @@ def chunk_bwd_pairs_kernel(
                                            USE_L2NORM, USE_BETA_SIGMOID)
 
     ref, up, k_in, q_in = _open_rows(q3, k3, cum3, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 3, 0, ref, beta3, k_in, q_in,
-                                          k0, cum0, zero, zero, zero, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(aqk, solve, chunk_id, 3, 1, ref, beta3, k_in, q_in,
-                                          k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
-    rows_a, rows_q, col2 = _earlier_block(aqk, solve, chunk_id, 3, 2, ref, beta3, k_in, q_in,
-                                          k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 0, ref, beta3,
+                                          k_in, q_in, k0, cum0, zero, zero, zero, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 1, ref, beta3,
+                                          k_in, q_in, k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
+    rows_a, rows_q, col2 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 2, ref, beta3,
+                                          k_in, q_in, k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
-        start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up, rows_a,
-        rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
+        dbeta_part, start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up,
+        rows_a, rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 2, 0, ref, beta2, k_in, q_in,
-                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(aqk, solve, chunk_id, 2, 1, ref, beta2, k_in, q_in,
-                                          k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 2, 0, ref, beta2,
+                                          k_in, q_in, k0, cum0, zero, zero, col0, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 2, 1, ref, beta2,
+                                          k_in, q_in, k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
-        start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up, rows_a,
-        rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
+        dbeta_part, start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up,
+        rows_a, rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(aqk, solve, chunk_id, 1, 0, ref, beta1, k_in, q_in,
-                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 1, 0, ref, beta1,
+                                          k_in, q_in, k0, cum0, zero, zero, col0, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
-        start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up, rows_a,
-        rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
+        dbeta_part, start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up,
+        rows_a, rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q0, k0, cum0, dot_dtype)
     d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, aqk, solve, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg, dbeta_part,
-        start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up, zero,
-        zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
+        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
+        dbeta_part, start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up,
+        zero, zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
     # fmt: on
     if USE_GATE:
@@ -1035,8 +1042,9 @@ def launch_chunk_kda_backward(
     in its input's dtype and shape; an absent optional input gets an empty tensor
     (``kda::delta_rule_backward``'s convention). No host sync, varlen included.
     ``saved``: kernel 1's outputs from ``launch_chunk_kda_training`` (then kernel 1 does
-    not run; without the rows, ``chunk_bwd_recompute_kernel`` rebuilds them; the backward
-    overwrites Aqk, T and, when K == V, qg and kd: they serve one backward).
+    not run). Without the rows, ``chunk_bwd_recompute_kernel`` rebuilds them and ``saved``
+    is only read; with them, the backward overwrites its Aqk, T and, when K == V, qg and
+    kd (they serve one backward).
 
     Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
     gradients (fp32 ``[R, HV, K, V]`` each), dv_new, three row-gradient buffers (fp32
@@ -1051,10 +1059,12 @@ def launch_chunk_kda_backward(
     value_heads, head_v = v.shape[2], v.shape[3]
     layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                      use_beta_sigmoid)  # fmt: skip
+    # Kept tensors are scratch only when kept with their rows (disable_recompute).
+    owns_saved = saved is None or len(saved) == len(SavedForBackward._fields)
     if saved is None:
         saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
                                   lower_bound, layout)  # fmt: skip
-    elif len(saved) < len(SavedForBackward._fields):
+    elif not owns_saved:
         saved = _rebuild_rows(q, k, v, beta, cu_seqlens, scale, use_qk_l2norm, use_beta_sigmoid,
                               saved, layout)  # fmt: skip
     cum_g, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, w, u, qg, kd = saved
@@ -1106,13 +1116,18 @@ def launch_chunk_kda_backward(
     else:
         v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     del qg, kd
+    # dA and scale·dAqk over T and Aqk (read no more) unless another backward may need them.
+    if owns_saved:
+        d_a_tiles, d_aqk_tiles = solve, aqk
+    else:
+        d_a_tiles, d_aqk_tiles = torch.empty_like(solve), torch.empty_like(aqk)
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
     dbeta = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
-        grad_o, dv_new, scale, length, n_seqs, aqk, solve, v_new_rows, d_ru_rows, dq_hat, dk_hat,
-        d_cum, dv, dbeta,
+        grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, v_new_rows,
+        d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
@@ -1121,6 +1136,8 @@ def launch_chunk_kda_backward(
         # bf16; the pairs kernel at 8 warps took 18275, the WY kernel at BK_STEP 16 14646).
         **dict(launch, num_warps=4),
     )  # fmt: skip
+    # Freed before the pairs and l2norm kernels allocate theirs: the peak stays at this one.
+    del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
 
     # The pairs kernel splits the key columns (N_K blocks): the sums over them (dβ, the
     # scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back as shares.
@@ -1138,7 +1155,8 @@ def launch_chunk_kda_backward(
         pair_passes = ("bounded", "unbounded")
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
-            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, aqk, solve, d_cum, unbounded,
+            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles, d_cum,
+            unbounded,
             lower, length, n_seqs,
             dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
             **dict(shape, BK=pair_k), **flags, CHUNKS=chunks, num_warps=4, num_stages=1,

@@ -90,6 +90,27 @@ def test_training_op_only_when_differentiated(disable_recompute):
     assert chunk in inferred and chunk_train not in inferred
 
 
+def test_compiled_training_calls_the_training_op():
+    """Under torch.compile, chunk_kda takes the training op as in eager (Dynamo before
+    pytorch/pytorch#176499 folds torch.compiler.is_exporting() to True under any compile,
+    which sent compiled training to kda::chunk)."""
+    torch._dynamo.reset()
+    inputs = model_inputs(12, requires_grad=True)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module.graph)
+        return graph_module
+
+    def prefill(q, k, v, g, beta, A_log, dt_bias, *_):
+        return kda_ops.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **GATE)[0]
+
+    torch.compile(prefill, backend=recording_backend, fullgraph=True)(*inputs)
+    called = {node.target for graph in graphs for node in graph.nodes}
+    assert torch.ops.kda.chunk_train.default in called
+    assert torch.ops.kda.chunk.default not in called
+
+
 def test_compile_with_dynamic_length_does_not_recompile():
     torch._dynamo.reset()
     counters.clear()

@@ -344,9 +344,10 @@ def recomputing_chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, lower
 def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
     """chunk_kda(disable_recompute=True) (kda::chunk_train keeps every output of the
     backward's first kernel; kda::chunk_backward_ starts from them) against kda::chunk,
-    whose backward runs that kernel itself: the same kernels, so the same bits. chunk_kda's
-    default keeps G, Aqk and T only (checked against float64 in
-    test_chunk_backward_against_float64_reference). Either graph backpropagates once."""
+    whose backward runs that kernel itself: the same kernels, so the same bits; its graph
+    backpropagates once. chunk_kda's default keeps G, Aqk and T only (checked against
+    float64 in test_chunk_backward_against_float64_reference) and only reads them: its
+    graph backpropagates again (``retain_graph``) to the same gradients."""
     x, kwargs = chunk_inputs(1000, 4, lower_bound)
     x = {name: t.to(dtype) if t.dtype == torch.bfloat16 else t for name, t in x.items()}
     if varlen:
@@ -364,9 +365,38 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
                                      disable_recompute=disable_recompute, **kwargs)  # fmt: skip
         inferred, _ = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
         assert torch.equal(o, inferred)
-        (o.float().square().sum() + final.square().sum()).backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            o.float().square().sum().backward()
+        loss = o.float().square().sum() + final.square().sum()
+        first = torch.autograd.grad(loss, list(leaves.values()), retain_graph=True)
+        if disable_recompute:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(loss, list(leaves.values()))
+        else:
+            again = torch.autograd.grad(loss, list(leaves.values()))
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_compiled_training_step_matches_eager(disable_recompute):
+    """torch.compile(fullgraph=True) of forward, loss and backward through the Triton
+    kernels (with disable_recompute, AOTAutograd carries the kept tensors from the forward
+    graph to the backward graph, which mutates them). The loss is linear in the outputs,
+    so that both get the same cotangents (a square's differs by bf16 roundings)."""
+    torch._dynamo.reset()
+    x, kwargs = chunk_inputs(1000, 4, -5.0)
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+    weight_o = torch.randn_like(x["v"])
+    weight_state = torch.randn(1, 4, 128, 128, device="cuda")
+
+    def loss_fn(leaves):
+        o, final = kda_ops.chunk_kda(**leaves, disable_recompute=disable_recompute, **kwargs)
+        return (o * weight_o).float().sum() + (final * weight_state).sum()
+
+    expected = torch.autograd.grad(loss_fn(leaves), list(leaves.values()))
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    for _ in range(2):  # the second call replays the compiled graphs
+        got = torch.autograd.grad(compiled(leaves), list(leaves.values()))
+        for name, a, b in zip(leaves, got, expected):
+            assert relative_error(a, b) < 1e-6, name
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])

@@ -95,7 +95,8 @@ def test_opcheck_delta_rule_backward():
         opcheck(torch.ops.kda.delta_rule_backward.default, backward_args)
         # kda::chunk_train saves nothing off the Triton path: the chunk backward is then
         # kda::delta_rule_backward's.
-        opcheck(torch.ops.kda.chunk_backward_.default, (*args[:9], o, state, [], *args[9:]))
+        for chunk_backward in (torch.ops.kda.chunk_backward, torch.ops.kda.chunk_backward_):
+            opcheck(chunk_backward.default, (*args[:9], o, state, [], *args[9:]))
 
 
 @pytest.mark.parametrize("with_indices", [False, True])

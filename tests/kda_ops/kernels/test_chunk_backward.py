@@ -200,20 +200,29 @@ def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows):
 
 
 @pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "pregated", "gdn"])
-def test_rebuilt_rows_match_the_solved_ones(variant):
+@pytest.mark.parametrize("head_v", [16, 24], ids=["K=V", "K!=V"])
+def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
     """Kept without w, u, qg, kd, the backward rebuilds them from G and T (``w = T β K̂Γ``,
     ``u = T β V`` as whole products): equal to what kernel 1's block solve wrote to fp32
-    rounding, and so are the gradients; packed sequences, K != V."""
+    rounding, and so are the gradients; packed sequences, K == V and K != V. That backward
+    only reads what was kept, so a second one gives the same bits."""
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
-        variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=24
+        variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v
     )
     _, _, saved = launch_chunk_kda_training(*primals, cu_seqlens, *config)
     _, _, kept = launch_chunk_kda_training(*primals, cu_seqlens, *config, keep_rows=False)
     assert len(kept) == len(saved) - len(ROWS)
+    kept_before = [t.clone() for t in kept]
     got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
                                     saved=kept)  # fmt: skip
+    # Bit patterns: T's and Aqk's tiles above the diagonal are never written.
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(kept, kept_before))  # fmt: skip
+    again = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+                                      saved=kept)  # fmt: skip
     expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
                                          saved=saved)  # fmt: skip
-    for name, grad, grad_expected in zip(NAMES, got, expected):
+    for name, grad, grad_again, grad_expected in zip(NAMES, got, again, expected):
+        assert torch.equal(grad, grad_again), name
         if grad_expected.numel():
             assert relative_error(grad, grad_expected) < 1e-5, name
