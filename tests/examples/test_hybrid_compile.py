@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from examples.hybrid_model import HybridConfig, rms_norm_torch
+from examples.hybrid_model import HybridConfig, HybridLM, rms_norm_torch
 from lowering.inductor import PASS_MANAGER
 from tests.examples.cases import (
     BATCH,
@@ -67,6 +67,27 @@ def test_prefill_fuses_gated_norms_and_matches_eager():
     assert_caches_close(cache, expected_cache)
     assert _graph_breaks() == 0
     assert PASS_MANAGER.counts == _expected_counts(0, 0, KDA_LAYERS)
+
+
+def test_training_step_compiles_without_breaks_and_matches_eager_gradients():
+    """Forward, loss and backward of the model in training mode, one graph: the KDA core
+    and the short convs through their ops' autograd. The gated-norm pass leaves training
+    graphs alone (its intermediates are saved for the backward)."""
+    model = HybridLM(CONFIG).train()
+    ids, targets = token_ids(24), token_ids(24)
+    params = list(model.parameters())
+
+    def loss_fn(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, _ = model.prefill(ids, model.new_cache(BATCH))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    expected = torch.autograd.grad(loss_fn(ids, targets), params)
+    compiled = torch.compile(loss_fn, backend="kda", fullgraph=True)
+    got = torch.autograd.grad(compiled(ids, targets), params)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    assert _graph_breaks() == 0
+    assert PASS_MANAGER.counts == _expected_counts(0, 0, 0)
 
 
 def test_inplace_decode_updates_states_in_place_with_no_copy():
