@@ -15,9 +15,10 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    needs T itself, not just T applied to the forward's right-hand sides) and, with the
    l2norm, the rows' inverse norms (fp32). The forward's ``chunk_recurrence_kernel``
    (``scan_chunks``) then writes the chunk-start states from w, u, kd.
-   ``chunk_bwd_recompute_kernel`` rebuilds w, u, qg, kd from kernel
-   1's G, chunk decays and T alone, two whole-chunk products instead of the block solve,
-   for a forward that keeps only those.
+   In training, the forward runs this kernel instead of the inference prepare
+   (``launch_chunk_kda_training``) and keeps what the backward needs; by default all but
+   w, u, qg, kd, which ``chunk_bwd_recompute_kernel`` rebuilds from G, the chunk decays
+   and T: two whole-chunk products instead of the block solve.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -44,11 +45,16 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 
 Saved versus recomputed: the chunk states S are recomputed by the forward's recurrence
 kernel (their HBM round trip is what the head-parallel scan costs anyway), from kernel 1's
-w, u, kd: the forward's prepare kernel does not run again. G, T, Aqk, w, qg, kd are
-recomputed once by kernel 1 because kernel 2 reads them serially per chunk and kernel 3
-needs T, and recomputing them per value block would repeat the O(C² K) work;
-u and v_new are recomputed in kernel 3 (one C × C and one C × K product per value block)
-rather than stored. Kernel 3's first pass hands v_new and dRu to its second through
+w, u, kd: the forward's prepare kernel does not run again. Kernel 1's outputs are made
+once, not per value block (kernel 2 reads them serially per chunk, kernel 3 needs T, and
+recomputing them per value block would repeat the O(C² K) work): by the training forward,
+which keeps G, Aqk, T (fp32; about 0.54 GB at T = 8192, 64 heads, K = V = 128) and, with
+``disable_recompute``, w, u, qg, kd too (about 1.1 GB); by the backward itself when
+nothing was kept (``kda::chunk``'s own autograd, when that op is called directly).
+Rebuilding the four rows from G and T costs two products a chunk; recomputing G, Aqk and T
+costs the whole of kernel 1 (2.2 of a 12.1 ms step at that shape, H200). u and v_new are
+recomputed in kernel 3 (one C × C and one C × K product per value block) rather than
+stored. Kernel 3's first pass hands v_new and dRu to its second through
 memory (input dtype, as the products that read them): one pass over V with the three
 ``[C, K]`` row gradients accumulated in registers needed ~250 registers a thread and
 spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is one dot. Kernel 4
