@@ -183,6 +183,16 @@ def unit_rows(rows, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
+def beta_rows(raw, rows_in, USE_BETA_SIGMOID: tl.constexpr):
+    """β fp32 from its loaded values ``[R]``: through the sigmoid with ``USE_BETA_SIGMOID``
+    (zero outside the sequence), as the forward and the backward must both see it."""
+    beta = raw.to(tl.float32)
+    if USE_BETA_SIGMOID:
+        beta = tl.where(rows_in, fast_sigmoid(beta), 0.0)
+    return beta
+
+
+@triton.jit
 def dyadic_level(level: tl.constexpr, decay, CUMULATIVE: tl.constexpr):
     """Level ``level`` (h = 2^level) of a diagonal block's dyadic split: the pairs j < i
     with i in the upper half of a 2h-row group and j in its lower half, and the factors
@@ -289,9 +299,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
             tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
     r_q = unit_rows(r_q, USE_L2NORM)
     r_k = unit_rows(r_k, USE_L2NORM)
-    r_beta = r_beta.to(tl.float32)
-    if USE_BETA_SIGMOID:
-        r_beta = tl.where(in_seq, fast_sigmoid(r_beta), 0.0)
+    r_beta = beta_rows(r_beta, in_seq, USE_BETA_SIGMOID)
     r_v = r_v.to(tl.float32)
 
     from_start = fast_exp(local)

@@ -96,6 +96,7 @@ from kda_ops.kernels.chunk import (
     BLOCK,
     CHUNK,
     LOG2_BLOCK,
+    beta_rows,
     dyadic_level,
     inverse_norm,
     locate_chunk,
@@ -106,7 +107,7 @@ from kda_ops.kernels.chunk import (
     sequence_span,
     unit_rows,
 )
-from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
+from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_activation
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
@@ -136,11 +137,10 @@ def _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV: tl.constexpr, K: tl.constex
 @triton.jit
 def _load_beta_rows(beta, tokens, rows_in, i_hv, HV: tl.constexpr,
                     USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
-    """β ``[R]`` fp32 (after the sigmoid with ``USE_BETA_SIGMOID``), zero outside."""
-    rows = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        rows = tl.where(rows_in, tl.sigmoid(rows), 0.0)
-    return rows
+    """β ``[R]`` fp32 (after the sigmoid with ``USE_BETA_SIGMOID``, the forward's
+    ``beta_rows``), zero outside."""
+    raw = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0)
+    return beta_rows(raw, rows_in, USE_BETA_SIGMOID)
 
 
 @triton.jit
@@ -802,7 +802,7 @@ def chunk_bwd_recompute_kernel(
     V]`` in the input dtype) from kernel 1's G, the chunk's total log-decay and T, without
     the solve: ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two 64-row products, ``qg = scale
     Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm and the beta sigmoid are
-    the forward's (``unit_rows``, ``fast_sigmoid``). Each output is stored as soon as it is
+    the forward's (``unit_rows``, ``beta_rows``). Each output is stored as soon as it is
     made, so that few tiles are live at once (sm_90, 8 warps: 128 registers, two programs
     an SM; in the order of the formulas above, 250)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -830,9 +830,7 @@ def chunk_bwd_recompute_kernel(
     decay_last = tl.load(chunk_decay + chunk_id * K + offs_k, mask=offs_k < K, other=0.0)
     b_kd = r_k * fast_exp(decay_last[None, :] - decay)
     tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
-    r_beta = tl.load(beta + tokens * HV + i_hv, mask=rows_in, other=0.0).to(tl.float32)
-    if USE_BETA_SIGMOID:
-        r_beta = tl.where(rows_in, fast_sigmoid(r_beta), 0.0)
+    r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
     # T's tiles above the diagonal are never written; inside the diagonal ones the upper
     # triangle is zero.
     t = tl.load(solve + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
