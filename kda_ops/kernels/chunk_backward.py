@@ -284,31 +284,32 @@ def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i
 
 @triton.jit
 def _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b):
-    """Tile (i_b, j_b) of this chunk's dA and scale·dAqk, ``[BLOCK, BLOCK]`` fp32."""
+    """Tile (i_b, j_b) of this chunk's dA and scale·dAqk, ``[BLOCK, BLOCK]`` in the
+    buffers' dtype."""
     sub = tl.arange(0, BLOCK)
     tile = chunk_id * 64 * 64 + (sub + i_b * BLOCK)[:, None] * 64 + (sub + j_b * BLOCK)[None, :]
     return tl.load(d_a_tiles + tile), tl.load(d_aqk_tiles + tile)
 
 
 @triton.jit
-def _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b, ref, r_beta, k_in, q_in, c_k, c_cum,
-                   rows_a, rows_q, col, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _earlier_block(d_a, m_q, ref, r_beta, k_in, q_in, c_k, c_cum, rows_a, rows_q, col,
+                   DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Adds the pairs of row block i_b with an earlier column block j_b, their factors
     split at i_b's first row: e^{G_i - G_j} = e^{G_i - ref} e^{ref - G_j}, both <= 1.
     ``k_in``, ``q_in``: row block's k̂, q̂ times e^{G - ref} (dot dtype); ``c_k``, ``c_cum``:
     the column block's k̂ and G (fp32). Returns ``rows_a += dA k̂_j e^{ref - G_j}`` (to be
     scaled by β_i e^{G_i - ref}), ``rows_q += scale·dAqk k̂_j e^{ref - G_j}`` (by e^{G_i -
     ref}) and the column block's ``col += e^{ref - G_j} ⊙ ((β dA)ᵀ k_in + dAqkᵀ q_in)``, all
-    ``[BLOCK, BK]`` fp32."""
-    d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b)
+    ``[BLOCK, BK]`` fp32. ``d_a``, ``m_q``: the pair tile of dA and scale·dAqk in the dot
+    dtype."""
     dot_dtype = k_in.dtype
     to_ref = tl.exp(ref[None, :] - c_cum)
     k_ref = (c_k * to_ref).to(dot_dtype)
-    rows_a += tl.dot(d_a.to(dot_dtype), k_ref, input_precision=DOT_PRECISION)
-    rows_q += tl.dot(m_q.to(dot_dtype), k_ref, input_precision=DOT_PRECISION)
+    rows_a += tl.dot(d_a, k_ref, input_precision=DOT_PRECISION)
+    rows_q += tl.dot(m_q, k_ref, input_precision=DOT_PRECISION)
     m_a = (r_beta[:, None] * d_a).to(dot_dtype)
     col_ref = tl.dot(tl.trans(m_a), k_in, input_precision=DOT_PRECISION)
-    col_ref += tl.dot(tl.trans(m_q.to(dot_dtype)), q_in, input_precision=DOT_PRECISION)
+    col_ref += tl.dot(tl.trans(m_q), q_in, input_precision=DOT_PRECISION)
     return rows_a, rows_q, col + to_ref * col_ref
 
 
@@ -417,8 +418,8 @@ def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.
 def chunk_bwd_wy_kernel(
     q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
     grad_o, dv_new, scale, length, n_seqs,
-    solve, d_aqk_tiles, d_a_tiles, v_new_rows, d_ru_rows, dq_rows, dk_rows, d_cum_rows, dv,
-    dbeta,
+    solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low, v_new_rows, d_ru_rows, dq_rows,
+    dk_rows, d_cum_rows, dv, dbeta,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
     BN: tl.constexpr, CHUNK: tl.constexpr,
@@ -439,7 +440,9 @@ def chunk_bwd_wy_kernel(
     rows, per value head), dG (all three fp32 ``[B, T, HV, K]``) and dbeta (fp32
     ``[B, T, HV]``), dA into ``d_a_tiles`` and scale·dAqk into ``d_aqk_tiles`` (both
     ``[C, C]`` fp32 a chunk, zero above the diagonal, strictly lower for dA; they may be
-    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read)."""
+    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read), and
+    both again in the dot dtype into ``d_a_low`` / ``d_aqk_low`` (the pairs kernel's
+    off-diagonal tiles)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -491,10 +494,9 @@ def chunk_bwd_wy_kernel(
         d_beta += tl.sum(d_ru * b_v, axis=1)
         d_a -= tl.dot(d_ru, tl.trans(b_u), input_precision=DOT_PRECISION)
     tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
-    tl.store(
-        d_aqk_tiles + square + in_square,
-        tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0),
-    )
+    d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
+    tl.store(d_aqk_tiles + square + in_square, d_aqk)
+    tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
@@ -547,7 +549,9 @@ def chunk_bwd_wy_kernel(
         tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
         tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
-    tl.store(d_a_tiles + square + in_square, tl.where(rows[:, None] > rows[None, :], d_a, 0.0))
+    d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
+    tl.store(d_a_tiles + square + in_square, d_a)
+    tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
 
 
 @triton.jit
@@ -646,7 +650,7 @@ def _finish_block(g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, r
 @triton.jit
 def chunk_bwd_pairs_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, d_aqk_tiles,
-    d_a_tiles, d_cum_rows, unbounded,
+    d_a_tiles, d_aqk_low, d_a_low, d_cum_rows, unbounded,
     lower_bound, length, n_seqs,
     dq_rows, dk_rows, dg, dbeta_part, dA_log_part, ddt_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -658,7 +662,9 @@ def chunk_bwd_pairs_kernel(
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k (every pair term
     is a per-column product but for dβ's sum over columns, whose shares the launcher adds):
-    the pair terms of A (cotangent dA from ``d_a_tiles``) and Aqk (scale·dAqk from ``d_aqk_tiles``),
+    the pair terms of A (cotangent dA) and Aqk (scale·dAqk): fp32 ``d_a_tiles`` /
+    ``d_aqk_tiles`` for the diagonal tiles, the same in the dot dtype (``d_a_low`` /
+    ``d_aqk_low``) for the others,
     added in place to dq̂ / dk̂ (``dq_rows`` / ``dk_rows``, fp32 ``[B, T, HV, K]``, of the
     l2-normalised rows); dg (g's dtype and shape; for the scalar gate this block's share,
     fp32 ``[B, T, HV, N_K]``), dβ's share (fp32 ``[B, T, HV, N_K]``, before the sigmoid
@@ -701,6 +707,13 @@ def chunk_bwd_pairs_kernel(
     dense = SAFE_GATE or CHUNKS == "bounded"  # diagonal blocks as dense dots (compile time)
 
     # fmt: off
+    # The six off-diagonal pair tiles first, so that their loads overlap the row blocks'.
+    a10, m10 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 1, 0)
+    a20, m20 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 2, 0)
+    a21, m21 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 2, 1)
+    a30, m30 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 0)
+    a31, m31 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 1)
+    a32, m32 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 2)
     q0, k0, beta0, cum0 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
                                            0, i_h, i_hv, offs_k, cum_last, H, HV, K,
                                            USE_L2NORM, USE_BETA_SIGMOID)
@@ -715,12 +728,12 @@ def chunk_bwd_pairs_kernel(
                                            USE_L2NORM, USE_BETA_SIGMOID)
 
     ref, up, k_in, q_in = _open_rows(q3, k3, cum3, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 0, ref, beta3,
-                                          k_in, q_in, k0, cum0, zero, zero, zero, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 1, ref, beta3,
-                                          k_in, q_in, k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
-    rows_a, rows_q, col2 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 3, 2, ref, beta3,
-                                          k_in, q_in, k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(a30, m30, ref, beta3, k_in, q_in,
+                                          k0, cum0, zero, zero, zero, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(a31, m31, ref, beta3, k_in, q_in,
+                                          k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
+    rows_a, rows_q, col2 = _earlier_block(a32, m32, ref, beta3, k_in, q_in,
+                                          k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
         g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
         dbeta_part, start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up,
@@ -728,10 +741,10 @@ def chunk_bwd_pairs_kernel(
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 2, 0, ref, beta2,
-                                          k_in, q_in, k0, cum0, zero, zero, col0, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 2, 1, ref, beta2,
-                                          k_in, q_in, k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(a20, m20, ref, beta2, k_in, q_in,
+                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
+    rows_a, rows_q, col1 = _earlier_block(a21, m21, ref, beta2, k_in, q_in,
+                                          k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
         g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
         dbeta_part, start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up,
@@ -739,8 +752,8 @@ def chunk_bwd_pairs_kernel(
         HAS_DT_BIAS, USE_LOWER_BOUND, dense)
 
     ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(d_aqk_tiles, d_a_tiles, chunk_id, 1, 0, ref, beta1,
-                                          k_in, q_in, k0, cum0, zero, zero, col0, DOT_PRECISION)
+    rows_a, rows_q, col0 = _earlier_block(a10, m10, ref, beta1, k_in, q_in,
+                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
     d_later, d_a_log, d_dt = _finish_block(
         g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
         dbeta_part, start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up,
@@ -1125,13 +1138,19 @@ def launch_chunk_kda_backward(
         d_a_tiles, d_aqk_tiles = solve, aqk
     else:
         d_a_tiles, d_aqk_tiles = torch.empty_like(solve), torch.empty_like(aqk)
+    # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
+    # loaded up front (they enter its dots in that dtype anyway).
+    if q.dtype == torch.float32:
+        d_a_low, d_aqk_low = d_a_tiles, d_aqk_tiles
+    else:
+        d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
     dbeta = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
-        grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, v_new_rows,
-        d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta,
+        grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
+        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
@@ -1159,8 +1178,8 @@ def launch_chunk_kda_backward(
         pair_passes = ("bounded", "unbounded")
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
-            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles, d_cum,
-            unbounded,
+            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles, d_aqk_low,
+            d_a_low, d_cum, unbounded,
             lower, length, n_seqs,
             dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
             **dict(shape, BK=pair_k), **flags, CHUNKS=chunks, num_warps=4, num_stages=1,
