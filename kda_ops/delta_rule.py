@@ -579,9 +579,8 @@ def chunk_kda(
             whole-chunk products; with ``disable_recompute=True`` it keeps those too
             (about 1.1 GB there) and uses them as the backward's scratch, so that graph
             can be backpropagated once (a second backward with ``retain_graph=True``
-            raises). H200, a training step there (``benchmarks/ops.py``): 11.38 ms by
-            default, 10.65 ms with it, peaks 3.52 / 3.39 GiB (FLA: 10.26 / 9.57 ms,
-            3.77 GiB both). Without autograd, and off CUDA, it changes nothing.
+            raises); timings and peaks on an H200 in ``benchmarks/README.md``. Without
+            autograd, and off CUDA, it changes nothing.
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,
