@@ -85,9 +85,13 @@ def _delta_rule_fake(
 ) -> tuple[Tensor, Tensor]:
     torch._check(k.shape == q.shape)
     torch._check(v.shape[2] % q.shape[2] == 0)
+    return v.new_empty(v.shape), q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
+
+
+def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, ...]:
+    """``[N, HV, K, V]``: the final state's shape (N sequences)."""
     n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = q.new_empty(n_seqs, v.shape[2], q.shape[3], v.shape[3], dtype=_state_dtype(q))
-    return v.new_empty(v.shape), state
+    return (n_seqs, v.shape[2], q.shape[3], v.shape[3])
 
 
 def delta_rule_backward_reference(
@@ -153,11 +157,11 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
 def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
                          *_grad_kept: Optional[Tensor]):  # fmt: skip
     primals, kept = ctx.saved_tensors[:_PRIMALS], list(ctx.saved_tensors[_PRIMALS:])
-    if grad_o is None or grad_final_state is None:  # an output the loss does not use
-        o, final_state = _delta_rule_fake(*primals, *ctx.config)
-        grad_o = torch.zeros_like(o) if grad_o is None else grad_o
-        if grad_final_state is None:
-            grad_final_state = torch.zeros_like(final_state)
+    q, v, cu_seqlens = primals[0], primals[2], primals[8]
+    if grad_o is None:  # an output the loss does not use: o is v-shaped, in v's dtype
+        grad_o = torch.zeros_like(v)
+    if grad_final_state is None:
+        grad_final_state = q.new_zeros(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
     if kept:
         backward = chunk_backward_scratch_op if ctx.keeps_rows else chunk_backward_op
         grads = backward(*primals, grad_o, grad_final_state, kept, *ctx.config)

@@ -1016,9 +1016,8 @@ def launch_chunk_kda_training(
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
     prepare step is the backward's kernel 1, whose outputs are returned for
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
-    unless ``keep_rows``). H200, B = 1, T = 8192, H = 64, bf16, forward + backward
-    through the ops: 11987 µs recomputing everything, 11369 keeping all but the rows
-    (about 0.54 GB until the backward), 10666 with them (about 1.1 GB)."""
+    unless ``keep_rows``): about 0.54 GB without the rows, 1.1 GB with them, at B = 1,
+    T = 8192, H = 64 (step times against FLA's in ``benchmarks/README.md``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                      use_beta_sigmoid)  # fmt: skip
