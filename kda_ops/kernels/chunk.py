@@ -146,14 +146,15 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
 
 
 @triton.jit
-def _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k,
-                   K: tl.constexpr, BK: tl.constexpr, SCALAR_GATE: tl.constexpr,
-                   USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                   USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Activated log-decay of a row block, [BLOCK, BK] fp32; 0 on padding rows."""
+def activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k,
+                  K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                  SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                  USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Activated log-decay of ROWS rows (``raw_g`` [ROWS, BK], or [ROWS] for a scalar
+    gate), [ROWS, BK] fp32; 0 on padding rows."""
     b_g = raw_g.to(tl.float32)
     if SCALAR_GATE:
-        b_g = b_g[:, None] + tl.zeros([BLOCK, BK], dtype=tl.float32)
+        b_g = b_g[:, None] + tl.zeros([ROWS, BK], dtype=tl.float32)
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_DT_BIAS:
@@ -275,7 +276,8 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
     cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
     diagonal Aqk tile (for the backward, given ``cum_g``, also its cumulative log-decay rows
-    and, with l2norm, the inverse norms of its q and k rows); returns
+    and, given ``q_norm`` / ``k_norm`` and with l2norm, the inverse norms of its q and k
+    rows); returns
 
     - ``k_in``, ``q_in``: k and q decayed from the block start (factors <= 1),
     - ``k_out``: k decayed to the block end (factors <= 1), the column side of later blocks,
@@ -286,17 +288,17 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    b_g = _activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K,
-                         BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    b_g = activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K, BK,
+                        BLOCK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     local = tl.cumsum(b_g, axis=0)  # padding rows add no decay
     block_decay = tl.sum(b_g, axis=0)
     rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     mask = in_seq[:, None] & mask_k[None, :]
     if cum_g is not None:
         tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
-        if USE_L2NORM:
-            tl.store(q_norm + tokens * HV + i_hv, inverse_norm(r_q.to(tl.float32)), mask=in_seq)
-            tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
+    if q_norm is not None and USE_L2NORM:
+        tl.store(q_norm + tokens * HV + i_hv, inverse_norm(r_q.to(tl.float32)), mask=in_seq)
+        tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
     r_q = unit_rows(r_q, USE_L2NORM)
     r_k = unit_rows(r_k, USE_L2NORM)
     r_beta = beta_rows(r_beta, in_seq, USE_BETA_SIGMOID)
@@ -404,8 +406,9 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
     """The body of a prepare program (chunk, value head), for ``chunk_prepare_kernel`` and,
-    with the backward's extra outputs (``cum_g`` ... ``pair_limits``, or all ``None``), for
-    the backward's prepare kernel: which chunks a launch prepares is ``CHUNKS`` (module
+    with the backward's extra outputs (``cum_g`` ... ``pair_limits``, or all ``None``;
+    ``cum_g`` alone may be ``None``, when the backward rebuilds G), for the backward's
+    prepare kernel: which chunks a launch prepares is ``CHUNKS`` (module
     docstring), ``unbounded`` holding the flags between a "bounded" and an "unbounded"
     launch."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)

@@ -17,8 +17,9 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    (``scan_chunks``) then writes the chunk-start states from w, u, kd.
    In training, the forward runs this kernel instead of the inference prepare
    (``launch_chunk_kda_training``) and keeps what the backward needs; by default all but
-   w, u, qg, kd, which ``chunk_bwd_recompute_kernel`` rebuilds from G, the chunk decays
-   and T: two whole-chunk products instead of the block solve.
+   G, w, u, qg, kd (kernel 1 then does not store G), which ``chunk_bwd_recompute_kernel``
+   rebuilds from the inputs and T: the gate's cumsum and two whole-chunk products
+   instead of the block solve.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -48,17 +49,18 @@ kernel (their HBM round trip is what the head-parallel scan costs anyway), from 
 w, u, kd: the forward's prepare kernel does not run again. Kernel 1's outputs are made
 once, not per value block (kernel 2 reads them serially per chunk, kernel 3 needs T, and
 recomputing them per value block would repeat the O(C² K) work): by the training forward,
-which keeps G, Aqk, T (fp32; about 0.54 GB at T = 8192, 64 heads, K = V = 128) and, with
-``disable_recompute``, w, u, qg, kd too (about 1.1 GB); by the backward itself when
+which keeps Aqk and T (fp32; about 0.28 GB at T = 8192, 64 heads, K = V = 128) and, with
+``disable_recompute``, G, w, u, qg, kd too (about 1.1 GB); by the backward itself when
 nothing was kept (``kda::chunk``'s own autograd, when that op is called directly).
-Rebuilding the four rows from G and T costs two products a chunk; recomputing G, Aqk and T
-costs the whole of kernel 1 (2.2 of a 12.1 ms step at that shape, H200). u and v_new are
-recomputed in kernel 3 (one C × C and one C × K product per value block) rather than
-stored. Kernel 3's first pass hands v_new and dRu to its second through
-memory (input dtype, as the products that read them): one pass over V with the three
-``[C, K]`` row gradients accumulated in registers needed ~250 registers a thread and
-spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is one dot. Kernel 4
-needs row blocks of what kernel 3 builds on 64 rows: dA goes over T's buffer and
+Rebuilding G and the four rows from the inputs and T costs a cumsum and two products a
+chunk, and writes G (0.27 GB there) in the backward instead of holding it from the
+forward; recomputing Aqk and T costs the whole of kernel 1 (2.2 of a 12.1 ms step at
+that shape, H200). u and v_new are recomputed in kernel 3 (one C × C and one C × K
+product per value block) rather than stored. Kernel 3's first pass hands v_new and dRu
+to its second through memory (input dtype, as the products that read them): one pass
+over V with the three ``[C, K]`` row gradients accumulated in registers needed ~250
+registers a thread and spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is
+one dot. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes over T's buffer and
 scale·dAqk over Aqk's (neither is needed any more) unless they were kept by the forward
 without the rows (the default training path: a graph may be backpropagated again, so
 they get fresh buffers), the row-local gradients into fp32
@@ -96,6 +98,7 @@ from kda_ops.kernels.chunk import (
     BLOCK,
     CHUNK,
     LOG2_BLOCK,
+    activate_gate,
     beta_rows,
     dyadic_level,
     inverse_norm,
@@ -804,20 +807,23 @@ def chunk_bwd_qk_kernel(
 
 @triton.jit
 def chunk_bwd_recompute_kernel(
-    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, chunk_decay, solve,
-    scale, length, n_seqs,
-    w, u, qg, kd,
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, solve,
+    scale, lower_bound, length, n_seqs,
+    cum_g, w, u, qg, kd,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BN: tl.constexpr, USE_L2NORM: tl.constexpr,
+    BV: tl.constexpr, BN: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """w, u, qg, kd of chunk i_c and value head i_hv (module docstring; ``[B, T, HV, K or
-    V]`` in the input dtype) from kernel 1's G, the chunk's total log-decay and T, without
-    the solve: ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two 64-row products, ``qg = scale
-    Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm and the beta sigmoid are
-    the forward's (``unit_rows``, ``beta_rows``). Each output is stored as soon as it is
-    made, so that few tiles are live at once (sm_90, 8 warps: 128 registers, two programs
-    an SM; in the order of the formulas above, 250)."""
+    """G (fp32) and w, u, qg, kd (input dtype) of chunk i_c and value head i_hv (module
+    docstring; ``[B, T, HV, K or V]``) from the raw inputs and kernel 1's T, without the
+    solve: G as the forward's gate activation and a 64-row cumsum (the forward
+    sums by 16-row blocks: the same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V``
+    as two 64-row products, ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1).
+    The l2norm and the beta sigmoid are the forward's (``unit_rows``, ``beta_rows``). Each
+    output is stored as soon as it is made, so that few tiles are live at once (sm_90, 8
+    warps, K = V = 128: 134 registers, 128 with the launcher's cap and no spills; in the
+    order of the formulas above, 250)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -835,12 +841,24 @@ def chunk_bwd_recompute_kernel(
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
 
     key_offsets = value_rows * K + offs_k[None, :]
-    decay = tl.load(cum_g + key_offsets, mask=mask_k, other=0.0)
+    if SCALAR_GATE:
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=rows_in, other=0.0)
+    else:
+        raw_g = tl.load(g + key_offsets, mask=mask_k, other=0.0)
+    decay = tl.cumsum(
+        activate_gate(raw_g, A_log, dt_bias, lower_bound, rows_in, i_hv, offs_k, offs_k < K, K,
+                      BK, 64, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
+        axis=0,
+    )  # fmt: skip
+    tl.store(cum_g + key_offsets, decay, mask=mask_k)
     from_start = fast_exp(decay)
     r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
     tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty), mask=mask_k)
     r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
-    decay_last = tl.load(chunk_decay + chunk_id * K + offs_k, mask=offs_k < K, other=0.0)
+    # Γ_C from this G, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range) an
+    # ulp of G is ~1e-5, and G's rounding cancels only within one summation.
+    last = tl.minimum(remaining, 64) - 1
+    decay_last = tl.sum(tl.where(rows[:, None] == last, decay, 0.0), axis=0)
     b_kd = r_k * fast_exp(decay_last[None, :] - decay)
     tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
     r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
@@ -859,27 +877,31 @@ class SavedForBackward(NamedTuple):
     """What the backward's prepare kernel (kernel 1) leaves for the rest of the backward;
     the training forward (``launch_chunk_kda_training``) keeps it, or all but its last
     ``len(ROWS)`` fields, so that the backward does not run kernel 1 again. With R chunk
-    rows (``chunk_state_rows``): G fp32 ``[B, T, HV, K]``; Aqk and T fp32 ``[R, HV, 64,
-    64]``; the chunks' total log-decay fp32 ``[R, HV, K]``; the inverse norms of the q and
-    k rows fp32 ``[B, T, HV]``; without the safe gate the int8 ``[R, HV]`` flags of the
-    chunks the pairs kernel takes dyadically (unused with it); then the rows: w, qg, kd
-    ``[B, T, HV, K]`` in q's dtype and u ``[B, T, HV, V]`` in v's, which
-    ``chunk_bwd_recompute_kernel`` rebuilds from the rest."""
+    rows (``chunk_state_rows``): Aqk and T fp32 ``[R, HV, 64, 64]``; the chunks' total
+    log-decay fp32 ``[R, HV, K]``; the inverse norms of the q and k rows fp32 ``[B, T,
+    HV]``; without the safe gate the int8 ``[R, HV]`` flags of the chunks the pairs kernel
+    takes dyadically (unused with it); then the rows: G fp32 ``[B, T, HV, K]`` (``None``
+    when kernel 1 did not store it), w, qg, kd ``[B, T, HV, K]`` in q's dtype and u ``[B,
+    T, HV, V]`` in v's, which ``chunk_bwd_recompute_kernel`` rebuilds from the rest and the
+    inputs."""
 
-    cum_g: Tensor
     aqk: Tensor
     solve: Tensor
     chunk_decay: Tensor
     q_norm: Tensor
     k_norm: Tensor
     unbounded: Tensor
+    cum_g: Optional[Tensor]
     w: Tensor
     u: Tensor
     qg: Tensor
     kd: Tensor
 
 
-ROWS = ("w", "u", "qg", "kd")  # SavedForBackward's last fields
+ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
+# The prepare flags chunk_bwd_recompute_kernel takes.
+RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
+                   "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 
 
 class _Layout(NamedTuple):
@@ -924,36 +946,38 @@ def _layout(
     )
 
 
-def empty_saved(q: Tensor, v: Tensor, n_chunks: int) -> SavedForBackward:
+def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> SavedForBackward:
     """Uninitialised ``SavedForBackward`` for q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and
-    ``n_chunks`` chunk rows (also the training op's fake outputs). Separate allocations:
-    the training op returns them, and an op's outputs may not alias one another. The
-    flags exist with the safe gate too (unused), so that the shapes do not depend on it."""
+    ``n_chunks`` chunk rows (also the training op's fake outputs), G only ``with_g``.
+    Separate allocations: the training op returns them, and an op's outputs may not alias
+    one another. The flags exist with the safe gate too (unused), so that the shapes do not
+    depend on it."""
     batch, length, _, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     tokens = (batch, length, value_heads)
     f32 = dict(dtype=torch.float32)
     return SavedForBackward(
-        cum_g=q.new_empty(*tokens, head_k, **f32),
-        w=q.new_empty(*tokens, head_k),
-        u=v.new_empty(*tokens, head_v),
-        qg=q.new_empty(*tokens, head_k),
-        kd=q.new_empty(*tokens, head_k),
         aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
         solve=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
         chunk_decay=q.new_empty(n_chunks, value_heads, head_k, **f32),
         q_norm=q.new_empty(*tokens, **f32),
         k_norm=q.new_empty(*tokens, **f32),
         unbounded=q.new_empty(n_chunks, value_heads, dtype=torch.int8),
+        cum_g=q.new_empty(*tokens, head_k, **f32) if with_g else None,
+        w=q.new_empty(*tokens, head_k),
+        u=v.new_empty(*tokens, head_v),
+        qg=q.new_empty(*tokens, head_k),
+        kd=q.new_empty(*tokens, head_k),
     )
 
 
 def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                      layout: _Layout) -> SavedForBackward:  # fmt: skip
-    """Kernel 1 on contiguous inputs (arguments as ``launch_chunk_kda``'s)."""
+                      layout: _Layout, with_g: bool = True) -> SavedForBackward:  # fmt: skip
+    """Kernel 1 on contiguous inputs (arguments as ``launch_chunk_kda``'s), storing G only
+    ``with_g``."""
     _, length, heads, head_k = q.shape
     value_heads = v.shape[2]
-    saved = empty_saved(q, v, layout.n_chunks)
+    saved = empty_saved(q, v, layout.n_chunks, with_g)
     # Without the safe gate the prepare kernel flags (``unbounded``) the chunks that decay
     # past the pairs kernel's dense limit; the pairs kernel then runs twice, dense and
     # dyadic chunks. As in the forward, without the safe gate a first launch takes every
@@ -976,25 +1000,30 @@ def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     return saved
 
 
-def _rebuild_rows(q, k, v, beta, cu_seqlens, scale, use_qk_l2norm, use_beta_sigmoid,
+def _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                   kept: Sequence[Tensor], layout: _Layout) -> SavedForBackward:  # fmt: skip
     """``SavedForBackward`` from its fields but the rows (``kept``), the rows written by
     ``chunk_bwd_recompute_kernel`` into fresh tensors (contiguous inputs)."""
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     tokens_shape = (batch, length, value_heads)
+    cum_g = q.new_empty(*tokens_shape, head_k, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = v.new_empty(*tokens_shape, head_v)
-    cum_g, _, solve, chunk_decay = kept[:4]
+    kept = SavedForBackward(*kept, *(None,) * len(ROWS))
+    flags = layout.flags
+    # Two programs an SM at K, V <= 128 and 8 warps: ptxas alone takes 134 registers a
+    # thread (sm_90, Triton 3.9), one program an SM; capped at 128 it spills nothing.
+    cap = dict(maxnreg=128) if max(layout.block_k, layout.block_v) <= 128 else {}
     chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads)](
-        q, k, v, beta, cu_seqlens, layout.chunk_offsets, cum_g, chunk_decay, solve, scale,
-        length, layout.n_seqs, w, u, qg, kd,
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve, scale,
+        0.0 if lower_bound is None else lower_bound, length, layout.n_seqs,
+        cum_g, w, u, qg, kd,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=layout.block_k, BV=layout.block_v,
-        BN=next_power_of_2(layout.n_seqs), USE_L2NORM=use_qk_l2norm,
-        USE_BETA_SIGMOID=use_beta_sigmoid, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=layout.flags["DOT_PRECISION"], num_warps=layout.warps,
+        BN=next_power_of_2(layout.n_seqs),
+        **{name: flags[name] for name in RECOMPUTE_FLAGS}, num_warps=layout.warps, **cap,
     )  # fmt: skip
-    return SavedForBackward(*kept, w, u, qg, kd)
+    return kept._replace(cum_g=cum_g, w=w, u=u, qg=qg, kd=kd)
 
 
 def launch_chunk_kda_training(
@@ -1016,13 +1045,13 @@ def launch_chunk_kda_training(
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
     prepare step is the backward's kernel 1, whose outputs are returned for
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
-    unless ``keep_rows``): about 0.54 GB without the rows, 1.1 GB with them, at B = 1,
+    unless ``keep_rows``): about 0.28 GB without the rows, 1.1 GB with them, at B = 1,
     T = 8192, H = 64 (step times against FLA's in ``benchmarks/README.md``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                      use_beta_sigmoid)  # fmt: skip
     saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                              layout)  # fmt: skip
+                              layout, with_g=keep_rows)  # fmt: skip
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o = torch.empty_like(v)
@@ -1081,9 +1110,9 @@ def launch_chunk_kda_backward(
         saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
                                   lower_bound, layout)  # fmt: skip
     elif not owns_saved:
-        saved = _rebuild_rows(q, k, v, beta, cu_seqlens, scale, use_qk_l2norm, use_beta_sigmoid,
+        saved = _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                               saved, layout)  # fmt: skip
-    cum_g, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, w, u, qg, kd = saved
+    aqk, solve, chunk_decay, q_norm, k_norm, unbounded, cum_g, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_seqs, offsets, n_chunks = layout.n_seqs, layout.chunk_offsets, layout.n_chunks
     block_k, block_v, flags, warps = layout.block_k, layout.block_v, layout.flags, layout.warps

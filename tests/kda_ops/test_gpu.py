@@ -345,7 +345,7 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
     """chunk_kda(disable_recompute=True) (kda::chunk_train keeps every output of the
     backward's first kernel; kda::chunk_backward_ starts from them) against kda::chunk,
     whose backward runs that kernel itself: the same kernels, so the same bits; its graph
-    backpropagates once. chunk_kda's default keeps G, Aqk and T only (checked against
+    backpropagates once. chunk_kda's default keeps Aqk and T only (checked against
     float64 in test_chunk_backward_against_float64_reference) and only reads them: its
     graph backpropagates again (``retain_graph``) to the same gradients."""
     x, kwargs = chunk_inputs(1000, 4, lower_bound)

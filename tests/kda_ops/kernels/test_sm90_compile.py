@@ -62,11 +62,17 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
                                  BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
                                  USE_BETA_SIGMOID=True, IS_VARLEN=False,
                                  DOT_PRECISION="tf32")),
-    # w, u, qg, kd rebuilt from kept G and T
-    "chunk_bwd_recompute_kernel": ("chunk_backward", "chunk_bwd_recompute_kernel",
-                                   dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1,
-                                        USE_L2NORM=True, USE_BETA_SIGMOID=True,
-                                        IS_VARLEN=False, DOT_PRECISION="tf32")),
+    # G, w, u, qg, kd rebuilt from the inputs and kept T: KDA's gate, GDN's scalar one
+    **{
+        f"chunk_bwd_recompute_kernel/scalar_gate={scalar}": (
+            "chunk_backward", "chunk_bwd_recompute_kernel",
+            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=scalar,
+                 USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
+                 USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                 DOT_PRECISION="tf32"),
+        )
+        for scalar in (False, True)
+    },
 }  # fmt: skip
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
