@@ -1,4 +1,4 @@
-"""Chunkwise KDA / Gated DeltaNet backward in five kernels and the forward's recurrence
+"""Chunkwise KDA / Gated DeltaNet backward in six kernels and the forward's recurrence
 kernel (for the chunk-start states, from kernel 1's intermediates).
 
 Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
@@ -32,15 +32,18 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    ``dkd = v_new dS'ᵀ``, ``dRw = Tᵀ dw = -dRu Sᵀ``, the decay term of Γ_C and dRw's
    terms of ``dA = -(dRu uᵀ + dRw wᵀ)`` and dbeta; writes dv and the row-local parts of
    dq, dk, dG, dbeta.
-4. ``chunk_bwd_pairs_kernel``, token-parallel and split over the key columns (grid:
-   chunks × column blocks of 32, value heads): every pair term is a per-column product,
-   so a program holds the chunk's four 16-row blocks of its columns (loaded once,
-   unrolled) and finishes them from the last: the pair terms of A and Aqk (their q̂ / k̂ /
-   G / β gradients), the reverse in-chunk cumsum of dG, the gate-activation backward, and
-   per-chunk shares of dA_log and d dt_bias. What sums over the columns comes back as one
-   share per column block (dβ, the scalar gate's dg) that the launcher adds, as it does
-   the beta-sigmoid backward.
-5. ``chunk_bwd_qk_kernel``, token-parallel: dq, dk from the per-value-head gradients of
+4. ``chunk_bwd_pairs_kernel``, token-parallel, one program a 16-row block and split over
+   the key columns (grid: chunks × column blocks of 32 × 4 row blocks, value heads):
+   every pair term is a per-column product. A program takes its block's pair terms of A
+   and Aqk (q̂ / k̂ / G / β gradients): its rows against the earlier blocks' columns, its
+   columns against the later blocks' rows (one other block at a time, in a loop), and
+   its diagonal block, and adds them to kernel 3's row gradients. What sums over the
+   columns comes back as one share per column block (dβ) that the launcher adds, as it
+   does the beta-sigmoid backward.
+5. ``chunk_bwd_gate_kernel``, token-parallel and split over the key columns: the reverse
+   in-chunk cumsum of dG, the gate-activation backward and per-chunk shares of dA_log and
+   d dt_bias (the scalar gate's dg also as column-block shares).
+6. ``chunk_bwd_qk_kernel``, token-parallel: dq, dk from the per-value-head gradients of
    the l2-normalised rows, summing each head's value-head group, then the l2norm
    backward (a whole-row product, hence not in kernel 4).
 
@@ -70,8 +73,11 @@ apart each needs fewer registers. Kernel 4 was one program per chunk and value h
 all 128 columns, re-loading (and re-normalising) every other row block for each block:
 ptxas (sm_90, 8 warps) gave it 3.2 KB of stack a thread and ~33k instructions a warp,
 and it took 12.4 of the backward's 22.5 ms (H200, T = 8192, 64 heads). Split over
-columns it has no loop: 6.2k instructions a warp at 4 warps, 0.3 KB of stack, and it
-takes 4.66 ms of a 13.7 ms training step (same shape; WY 3.14, kernel 1 2.83 ms).
+columns, the four row blocks unrolled in one program, it took 4.66 ms of a 13.7 ms
+training step (same shape; WY 3.14, kernel 1 2.83 ms) at 255 registers a thread and
+spills (sm_90, 4 warps, two programs an SM). One program a row block (the gate's
+backward, which carries the reverse cumsum across the blocks, apart): 155 registers, no
+spills, three programs an SM (sm_90, Triton 3.9, safe gate; the dyadic launch 255).
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -295,25 +301,29 @@ def _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, j_b):
 
 
 @triton.jit
-def _earlier_block(d_a, m_q, ref, r_beta, k_in, q_in, c_k, c_cum, rows_a, rows_q, col,
-                   DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """Adds the pairs of row block i_b with an earlier column block j_b, their factors
-    split at i_b's first row: e^{G_i - G_j} = e^{G_i - ref} e^{ref - G_j}, both <= 1.
-    ``k_in``, ``q_in``: row block's k̂, q̂ times e^{G - ref} (dot dtype); ``c_k``, ``c_cum``:
-    the column block's k̂ and G (fp32). Returns ``rows_a += dA k̂_j e^{ref - G_j}`` (to be
-    scaled by β_i e^{G_i - ref}), ``rows_q += scale·dAqk k̂_j e^{ref - G_j}`` (by e^{G_i -
-    ref}) and the column block's ``col += e^{ref - G_j} ⊙ ((β dA)ᵀ k_in + dAqkᵀ q_in)``, all
-    ``[BLOCK, BK]`` fp32. ``d_a``, ``m_q``: the pair tile of dA and scale·dAqk in the dot
-    dtype."""
-    dot_dtype = k_in.dtype
-    to_ref = tl.exp(ref[None, :] - c_cum)
-    k_ref = (c_k * to_ref).to(dot_dtype)
+def _earlier_columns(d_a, m_q, ref, c_k, c_cum, rows_a, rows_q, DOT_PRECISION: tl.constexpr):
+    """Adds row block I's pairs with an earlier column block J to its row sums, their
+    factors split at I's first row ``ref``: e^{G_i - G_j} = e^{G_i - ref} e^{ref - G_j},
+    both <= 1. ``d_a``, ``m_q``: tile (I, J) of dA and scale·dAqk (dot dtype); ``c_k``,
+    ``c_cum``: J's k̂ and G (fp32). Returns ``rows_a += dA k̂_j e^{ref - G_j}`` (to be
+    scaled by β_i e^{G_i - ref}) and ``rows_q += scale·dAqk k̂_j e^{ref - G_j}`` (by
+    e^{G_i - ref}), ``[BLOCK, BK]`` fp32."""
+    k_ref = (c_k * tl.exp(ref[None, :] - c_cum)).to(d_a.dtype)
     rows_a += tl.dot(d_a, k_ref, input_precision=DOT_PRECISION)
     rows_q += tl.dot(m_q, k_ref, input_precision=DOT_PRECISION)
-    m_a = (r_beta[:, None] * d_a).to(dot_dtype)
+    return rows_a, rows_q
+
+
+@triton.jit
+def _later_rows(d_a, m_q, r_beta, ref, k_in, q_in, c_cum, col, DOT_PRECISION: tl.constexpr):
+    """Adds column block J's pairs with a later row block I to J's column sums: ``col +=
+    e^{ref - G_j} ⊙ ((β dA)ᵀ k_in + dAqkᵀ q_in)`` (``[BLOCK, BK]`` fp32), with ``d_a``,
+    ``m_q`` tile (I, J) (dot dtype), ``r_beta``, ``ref`` I's β and reference, ``k_in``,
+    ``q_in`` I's k̂, q̂ times e^{G - ref} (dot dtype) and ``c_cum`` J's G."""
+    m_a = (r_beta[:, None] * d_a).to(d_a.dtype)
     col_ref = tl.dot(tl.trans(m_a), k_in, input_precision=DOT_PRECISION)
     col_ref += tl.dot(tl.trans(m_q), q_in, input_precision=DOT_PRECISION)
-    return rows_a, rows_q, col + to_ref * col_ref
+    return col + tl.exp(ref[None, :] - c_cum) * col_ref
 
 
 @triton.jit
@@ -602,21 +612,16 @@ def _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k, offs_k
 
 
 @triton.jit
-def _finish_block(g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate,
-                  dq_rows, dk_rows, dg, dbeta_part,
-                  start, remaining, chunk_id, i_b, i_hv, i_k, offs_k,
-                  r_q, r_k, r_beta, r_cum, ref, up, rows_a, rows_q, col, d_later, d_a_log, d_dt,
-                  HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N_K: tl.constexpr,
-                  SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
+                 remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
+                 rows_a, rows_q, col, HV: tl.constexpr, K: tl.constexpr, N_K: tl.constexpr,
+                 DENSE: tl.constexpr):  # fmt: skip
     """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
-    ``rows_q`` its rows against earlier columns (``_earlier_block``), ``col`` its columns
-    against later rows. Adds the diagonal block (``DENSE``: fp32 dots at ``ref``, for
-    blocks decaying within ``PAIRS_DENSE_LIMIT`` (chunk.py); else dyadic), adds everything to the
-    row-local gradients of ``chunk_bwd_wy_kernel`` in place (dq̂, dk̂ fp32), stores this
-    column block's share of dβ (``[B, T, HV, N_K]`` fp32), and runs the reverse cumsum of
-    dG and the gate backward (``_gate_rows``). Returns (d_later: Σ dG of the rows from
-    this block on ``[BK]``, dA_log and d dt_bias running sums)."""
+    ``rows_q`` its rows against earlier columns (``_earlier_columns``), ``col`` its columns
+    against later rows (``_later_rows``). Adds the diagonal block (``DENSE``: fp32 dots at
+    ``ref``, for blocks decaying within ``PAIRS_DENSE_LIMIT`` (chunk.py); else dyadic),
+    adds everything to the row-local gradients of ``chunk_bwd_wy_kernel`` in place (dq̂,
+    dk̂, dG fp32) and stores this column block's share of dβ (``[B, T, HV, N_K]`` fp32)."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
@@ -641,53 +646,44 @@ def _finish_block(g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, r
     tl.store(dk_rows + offsets, tl.load(dk_rows + offsets, mask=mask, other=0.0) + row_k + col,
              mask=mask)  # fmt: skip
     d_cum = tl.load(d_cum_rows + offsets, mask=mask, other=0.0)
-    d_cum += r_q * row_q + r_k * (row_k - col)
-    # G_i = Σ_{s <= i} g_s inside the chunk: dg is the reverse cumsum of dG.
-    d_raw = tl.cumsum(d_cum, axis=0, reverse=True) + d_later[None, :]
-    d_a_log, d_dt = _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k,
-                               offs_k, d_raw, dg, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE,
-                               USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
-    return d_later + tl.sum(d_cum, axis=0), d_a_log, d_dt
+    tl.store(d_cum_rows + offsets, d_cum + r_q * row_q + r_k * (row_k - col), mask=mask)
 
 
 @triton.jit
 def chunk_bwd_pairs_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, d_aqk_tiles,
-    d_a_tiles, d_aqk_low, d_a_low, d_cum_rows, unbounded,
-    lower_bound, length, n_seqs,
-    dq_rows, dk_rows, dg, dbeta_part, dA_log_part, ddt_part,
+    q, k, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, d_aqk_tiles,
+    d_a_tiles, d_aqk_low, d_a_low, unbounded, length, n_seqs,
+    dq_rows, dk_rows, d_cum_rows, dbeta_part,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """For chunk i_c, value head i_hv and the BK key columns of block i_k (every pair term
-    is a per-column product but for dβ's sum over columns, whose shares the launcher adds):
-    the pair terms of A (cotangent dA) and Aqk (scale·dAqk): fp32 ``d_a_tiles`` /
-    ``d_aqk_tiles`` for the diagonal tiles, the same in the dot dtype (``d_a_low`` /
-    ``d_aqk_low``) for the others,
-    added in place to dq̂ / dk̂ (``dq_rows`` / ``dk_rows``, fp32 ``[B, T, HV, K]``, of the
-    l2-normalised rows); dg (g's dtype and shape; for the scalar gate this block's share,
-    fp32 ``[B, T, HV, N_K]``), dβ's share (fp32 ``[B, T, HV, N_K]``, before the sigmoid
-    backward) and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
-    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate).
+    """For 16-row block i_b of chunk i_c, value head i_hv and the BK key columns of block
+    i_k (every pair term is a per-column product but for dβ's sum over columns, whose
+    shares the launcher adds): the pair terms of A (cotangent dA) and Aqk (scale·dAqk) of
+    its rows, against the earlier blocks' columns, and of its columns, against the later
+    blocks' rows; fp32 ``d_a_tiles`` / ``d_aqk_tiles`` for the diagonal tile, the same in
+    the dot dtype (``d_a_low`` / ``d_aqk_low``) for the others. Added in place to dq̂ / dk̂
+    / dG (``dq_rows`` / ``dk_rows`` / ``d_cum_rows``, fp32 ``[B, T, HV, K]``, of the
+    l2-normalised rows); dβ's share stored (fp32 ``[B, T, HV, N_K]``, before the sigmoid
+    backward). The gate's backward (``chunk_bwd_gate_kernel``) follows.
 
-    The four row blocks are unrolled and loaded once; block I's pairs with an earlier
-    block J split their factors at I's first row. Blocks are finished from the last, so
-    that the reverse cumsum of dG carries forward and each column accumulator is complete
-    when its block is finished.
+    One program a row block: each off-diagonal pair's four products are split between
+    the row block's program (two) and the column block's (two), and a program holds one
+    other block at a time.
 
     ``CHUNKS``: ``"all"`` with the safe gate (dense diagonal blocks); otherwise the
     launcher runs ``"bounded"`` (the chunks ``unbounded`` does not flag, dense) and
     ``"unbounded"`` (the flagged ones, dyadic), so that each launch compiles one path."""
     N_K = (K + BK - 1) // BK
-    i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
+    pid = tl.program_id(0)
+    i_b, i_k, i_c = pid % 4, (pid // 4) % N_K, pid // (4 * N_K)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
                                     IS_VARLEN)  # fmt: skip
-    if remaining <= 0:
+    if remaining <= i_b * BLOCK:  # no rows of this block in the sequence
         return
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
     if CHUNKS != "all":  # this launch takes the flagged chunks or the others
@@ -695,10 +691,67 @@ def chunk_bwd_pairs_kernel(
         if flagged != (CHUNKS == "unbounded"):
             return
     offs_k = i_k * BK + tl.arange(0, BK)
-    mask_k = offs_k < K
     dot_dtype = q.dtype.element_ty
     last = tl.minimum(remaining, CHUNK) - 1
-    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=mask_k, other=0.0)
+    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=offs_k < K,
+                       other=0.0)  # fmt: skip
+    n_blocks = tl.minimum(tl.cdiv(remaining, BLOCK), CHUNK // BLOCK)
+
+    r_q, r_k, r_beta, r_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
+                                               remaining, i_b, i_h, i_hv, offs_k, cum_last, H,
+                                               HV, K, USE_L2NORM, USE_BETA_SIGMOID)  # fmt: skip
+    # Triton carries a name assigned before a loop and again inside it: no shared `_`.
+    ref, up, _row_k_in, _row_q_in = _open_rows(r_q, r_k, r_cum, dot_dtype)
+    rows_a = tl.zeros([BLOCK, BK], dtype=tl.float32)
+    rows_q = tl.zeros([BLOCK, BK], dtype=tl.float32)
+    for j_b in range(0, i_b):
+        c_q, c_k, c_beta, c_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
+                                                   remaining, j_b, i_h, i_hv, offs_k, cum_last,
+                                                   H, HV, K, USE_L2NORM,
+                                                   USE_BETA_SIGMOID)  # fmt: skip
+        d_a, m_q = _pair_tiles(d_aqk_low, d_a_low, chunk_id, i_b, j_b)
+        rows_a, rows_q = _earlier_columns(d_a, m_q, ref, c_k, c_cum, rows_a, rows_q,
+                                          DOT_PRECISION)  # fmt: skip
+    col = tl.zeros([BLOCK, BK], dtype=tl.float32)
+    for j_b in range(i_b + 1, n_blocks):
+        c_q, c_k, c_beta, c_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
+                                                   remaining, j_b, i_h, i_hv, offs_k, cum_last,
+                                                   H, HV, K, USE_L2NORM,
+                                                   USE_BETA_SIGMOID)  # fmt: skip
+        c_ref, _c_up, c_k_in, c_q_in = _open_rows(c_q, c_k, c_cum, dot_dtype)
+        d_a, m_q = _pair_tiles(d_aqk_low, d_a_low, chunk_id, j_b, i_b)
+        col = _later_rows(d_a, m_q, c_beta, c_ref, c_k_in, c_q_in, r_cum, col, DOT_PRECISION)
+    _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
+                 remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
+                 rows_a, rows_q, col, HV, K, N_K,
+                 SAFE_GATE or CHUNKS == "bounded")  # fmt: skip
+
+
+@triton.jit
+def chunk_bwd_gate_kernel(
+    g, A_log, dt_bias, cu_seqlens, chunk_offsets, d_cum_rows, lower_bound, length, n_seqs,
+    dg, dA_log_part, ddt_part,
+    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """For chunk i_c, value head i_hv and the BK key columns of block i_k: from the
+    complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``) the gate's backward: dg, the
+    reverse cumsum of dG inside the chunk (G_i = Σ_{s <= i} g_s) through the gate
+    activation (g's dtype and shape; for the scalar gate this block's share, fp32 ``[B, T,
+    HV, N_K]``), and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
+    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate). By 16-row blocks from the
+    last, the sum of the later rows carried."""
+    N_K = (K + BK - 1) // BK
+    i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     else:
@@ -706,70 +759,20 @@ def chunk_bwd_pairs_kernel(
     d_later = tl.zeros([BK], dtype=tl.float32)  # Σ dG of the rows after this block
     d_a_log = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)  # a 0-d fp32 accumulator
     d_dt = tl.zeros([BK], dtype=tl.float32)
-    zero = tl.zeros([BLOCK, BK], dtype=tl.float32)
-    dense = SAFE_GATE or CHUNKS == "bounded"  # diagonal blocks as dense dots (compile time)
-
-    # fmt: off
-    # The six off-diagonal pair tiles first, so that their loads overlap the row blocks'.
-    a10, m10 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 1, 0)
-    a20, m20 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 2, 0)
-    a21, m21 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 2, 1)
-    a30, m30 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 0)
-    a31, m31 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 1)
-    a32, m32 = _pair_tiles(d_aqk_low, d_a_low, chunk_id, 3, 2)
-    q0, k0, beta0, cum0 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
-                                           0, i_h, i_hv, offs_k, cum_last, H, HV, K,
-                                           USE_L2NORM, USE_BETA_SIGMOID)
-    q1, k1, beta1, cum1 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
-                                           1, i_h, i_hv, offs_k, cum_last, H, HV, K,
-                                           USE_L2NORM, USE_BETA_SIGMOID)
-    q2, k2, beta2, cum2 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
-                                           2, i_h, i_hv, offs_k, cum_last, H, HV, K,
-                                           USE_L2NORM, USE_BETA_SIGMOID)
-    q3, k3, beta3, cum3 = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining,
-                                           3, i_h, i_hv, offs_k, cum_last, H, HV, K,
-                                           USE_L2NORM, USE_BETA_SIGMOID)
-
-    ref, up, k_in, q_in = _open_rows(q3, k3, cum3, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(a30, m30, ref, beta3, k_in, q_in,
-                                          k0, cum0, zero, zero, zero, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(a31, m31, ref, beta3, k_in, q_in,
-                                          k1, cum1, rows_a, rows_q, zero, DOT_PRECISION)
-    rows_a, rows_q, col2 = _earlier_block(a32, m32, ref, beta3, k_in, q_in,
-                                          k2, cum2, rows_a, rows_q, zero, DOT_PRECISION)
-    d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
-        dbeta_part, start, remaining, chunk_id, 3, i_hv, i_k, offs_k, q3, k3, beta3, cum3, ref, up,
-        rows_a, rows_q, zero, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
-
-    ref, up, k_in, q_in = _open_rows(q2, k2, cum2, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(a20, m20, ref, beta2, k_in, q_in,
-                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
-    rows_a, rows_q, col1 = _earlier_block(a21, m21, ref, beta2, k_in, q_in,
-                                          k1, cum1, rows_a, rows_q, col1, DOT_PRECISION)
-    d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
-        dbeta_part, start, remaining, chunk_id, 2, i_hv, i_k, offs_k, q2, k2, beta2, cum2, ref, up,
-        rows_a, rows_q, col2, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
-
-    ref, up, k_in, q_in = _open_rows(q1, k1, cum1, dot_dtype)
-    rows_a, rows_q, col0 = _earlier_block(a10, m10, ref, beta1, k_in, q_in,
-                                          k0, cum0, zero, zero, col0, DOT_PRECISION)
-    d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
-        dbeta_part, start, remaining, chunk_id, 1, i_hv, i_k, offs_k, q1, k1, beta1, cum1, ref, up,
-        rows_a, rows_q, col1, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
-
-    ref, up, k_in, q_in = _open_rows(q0, k0, cum0, dot_dtype)
-    d_later, d_a_log, d_dt = _finish_block(
-        g, dt_bias, d_aqk_tiles, d_a_tiles, d_cum_rows, lower_bound, rate, dq_rows, dk_rows, dg,
-        dbeta_part, start, remaining, chunk_id, 0, i_hv, i_k, offs_k, q0, k0, beta0, cum0, ref, up,
-        zero, zero, col0, d_later, d_a_log, d_dt, HV, K, BK, N_K, SCALAR_GATE, USE_GATE,
-        HAS_DT_BIAS, USE_LOWER_BOUND, dense)
-    # fmt: on
+    sub = tl.arange(0, BLOCK)
+    for step in tl.static_range(CHUNK // BLOCK):
+        i_b = CHUNK // BLOCK - 1 - step
+        tokens = start + i_b * BLOCK + sub
+        rows_in = i_b * BLOCK + sub < remaining
+        offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+        d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :],
+                        other=0.0)  # fmt: skip
+        d_raw = tl.cumsum(d_cum, axis=0, reverse=True) + d_later[None, :]
+        d_a_log, d_dt = _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k,
+                                   offs_k, d_raw, dg, d_a_log, d_dt, HV, K, BK, N_K,
+                                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+                                   USE_LOWER_BOUND)  # fmt: skip
+        d_later += tl.sum(d_cum, axis=0)
     if USE_GATE:
         tl.store(dA_log_part + chunk_id * N_K + i_k, d_a_log)
         if SCALAR_GATE:
@@ -899,9 +902,11 @@ class SavedForBackward(NamedTuple):
 
 
 ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
-# The prepare flags chunk_bwd_recompute_kernel takes.
+# The prepare flags chunk_bwd_recompute_kernel, the pairs and the gate kernels take.
 RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
+PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
+GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 
 
 class _Layout(NamedTuple):
@@ -1204,14 +1209,19 @@ def launch_chunk_kda_backward(
         pair_passes, unbounded = ("all",), None
     else:
         pair_passes = ("bounded", "unbounded")
+    pair_flags = {name: flags[name] for name in PAIRS_FLAGS}
     for chunks in pair_passes:
-        chunk_bwd_pairs_kernel[(n_chunks * n_k, value_heads)](
-            q, k, g, beta, *gate_args, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles, d_aqk_low,
-            d_a_low, d_cum, unbounded,
-            lower, length, n_seqs,
-            dq_hat, dk_hat, dg, dbeta_part, dA_log_part, ddt_part,
-            **dict(shape, BK=pair_k), **flags, CHUNKS=chunks, num_warps=4, num_stages=1,
+        chunk_bwd_pairs_kernel[(n_chunks * 4 * n_k, value_heads)](
+            q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
+            d_aqk_low, d_a_low, unbounded, length, n_seqs,
+            dq_hat, dk_hat, d_cum, dbeta_part,
+            **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4, num_stages=1,
         )  # fmt: skip
+    chunk_bwd_gate_kernel[(n_chunks * n_k, value_heads)](
+        g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
+        HV=value_heads, K=head_k, BK=pair_k, BN=shape["BN"], CHUNK=CHUNK, BLOCK=BLOCK.value,
+        **{name: flags[name] for name in GATE_FLAGS}, num_warps=4,
+    )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):

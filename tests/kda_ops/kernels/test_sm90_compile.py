@@ -1,8 +1,9 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
 needed): the conv kernels in every one, the gate kernel with both gates, the backward's
-prepare kernel in each of its launches, its WY and recompute kernels. Without a GPU the
-other kernel tests run them in Triton's interpreter, which accepts code the compiler
-rejects (a loop-carried tile that changes shape) and skips libdevice calls."""
+prepare kernel in each of its launches, its WY, pairs, gate and recompute kernels.
+Without a GPU the other kernel tests run them in Triton's interpreter, which accepts code
+the compiler rejects (a loop-carried tile that changes shape or type) and skips libdevice
+calls."""
 
 import itertools
 import json
@@ -62,6 +63,26 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
                                  BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
                                  USE_BETA_SIGMOID=True, IS_VARLEN=False,
                                  DOT_PRECISION="tf32")),
+    # the pairs kernel, one program a row block, in each of its launches
+    **{
+        f"chunk_bwd_pairs_kernel/{chunks}": (
+            "chunk_backward", "chunk_bwd_pairs_kernel",
+            dict(H=32, HV=32, K=128, BK=32, BN=1, CHUNK=64, BLOCK=16, SAFE_GATE=chunks == "all",
+                 USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                 DOT_PRECISION="tf32", CHUNKS=chunks),
+        )
+        for chunks in ("all", "bounded", "unbounded")
+    },
+    # the gate's backward after it: KDA's gate, GDN's scalar one
+    **{
+        f"chunk_bwd_gate_kernel/scalar_gate={scalar}": (
+            "chunk_backward", "chunk_bwd_gate_kernel",
+            dict(HV=32, K=128, BK=32, BN=1, CHUNK=64, BLOCK=16, SCALAR_GATE=scalar,
+                 USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
+                 IS_VARLEN=False),
+        )
+        for scalar in (False, True)
+    },
     # G, w, u, qg, kd rebuilt from the inputs and kept T: KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_recompute_kernel/scalar_gate={scalar}": (
@@ -82,7 +103,9 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
              "unbounded": "*i8", "redo": "*i8", "chunk_states": "*fp32", "dstates": "*fp32",
              "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
-             "dbeta": "*fp32"}  # fmt: skip
+             "dbeta": "*fp32", "d_aqk_tiles": "*fp32", "d_a_tiles": "*fp32",
+             "dbeta_part": "*fp32", "dA_log_part": "*fp32", "ddt_part": "*fp32",
+             "dg": "*fp32"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
