@@ -76,7 +76,7 @@ and it took 12.4 of the backward's 22.5 ms (H200, T = 8192, 64 heads). Split ove
 columns, the four row blocks unrolled in one program, it took 4.66 ms of a 13.7 ms
 training step (same shape; WY 3.14, kernel 1 2.83 ms) at 255 registers a thread and
 spills (sm_90, 4 warps, two programs an SM). One program a row block (the gate's
-backward, which carries the reverse cumsum across the blocks, apart): 155 registers, no
+backward, whose reverse cumsum runs across the blocks, apart): 155 registers, no
 spills, three programs an SM (sm_90, Triton 3.9, safe gate; the dyadic launch 255).
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
@@ -278,14 +278,8 @@ def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
-    r_q = (
-        _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, False)
-        * _stored_norms(q_norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
-    )
-    r_k = (
-        _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, False)
-        * _stored_norms(k_norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
-    )
+    r_q = _load_normed_rows(q, q_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k, USE_L2NORM)
+    r_k = _load_normed_rows(k, k_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k, USE_L2NORM)
     r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
     r_cum = _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV, K, offs_k, cum_last)
     return r_q, r_k, r_beta, r_cum
@@ -425,6 +419,15 @@ def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.
     if USE_L2NORM:
         factors = tl.load(norm + tokens * HV + i_hv, mask=rows_in, other=0.0)
     return factors
+
+
+@triton.jit
+def _load_normed_rows(x, norm, tokens, rows_in, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, offs_k, USE_L2NORM: tl.constexpr):  # fmt: skip
+    """Rows of q or k ``[R, BK]`` fp32 on the columns ``offs_k``, l2-normalised by their
+    whole rows' factors as kernel 1 stored them (``_stored_norms``); zero outside."""
+    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
+    return raw * _stored_norms(norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
 
 
 @triton.jit
@@ -578,40 +581,6 @@ def _open_rows(r_q, r_k, r_cum, dot_dtype: tl.constexpr):
 
 
 @triton.jit
-def _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k, offs_k, d_raw,
-               dg, d_a_log, d_dt, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-               N_K: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-               HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """The gate backward of a row block from its log-decay gradient ``d_raw`` ``[BLOCK,
-    BK]`` fp32 (after the reverse cumsum): stores dg (g's dtype, or for the scalar gate
-    this column block's share, fp32 ``[B, T, HV, N_K]``) and returns the running sums of
-    dA_log (0-d) and d dt_bias (``[BK]``) with this block's terms added."""
-    mask_k = offs_k < K
-    if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
-        d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
-            [1, BK], dtype=tl.float32
-        )
-        channel = tl.arange(0, BK) == 0  # the column that stands for the raw gate
-    else:
-        channel = mask_k
-    if USE_GATE:
-        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                        HAS_DT_BIAS)  # fmt: skip
-        d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
-        used = rows_in[:, None] & channel[None, :]
-        d_a_log += tl.sum(tl.sum(tl.where(used, d_rate, 0.0), axis=1), axis=0)
-        d_dt += tl.sum(tl.where(used, d_raw, 0.0), axis=0)
-    if SCALAR_GATE:
-        d_raw = _column(d_raw, tl.arange(0, BK), 0)
-        tl.store(dg + (tokens * HV + i_hv) * N_K + i_k, d_raw, mask=rows_in)
-    else:
-        offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-        tl.store(dg + offsets, d_raw.to(dg.dtype.element_ty),
-                 mask=rows_in[:, None] & mask_k[None, :])  # fmt: skip
-    return d_a_log, d_dt
-
-
-@triton.jit
 def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
                  remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
                  rows_a, rows_q, col, HV: tl.constexpr, K: tl.constexpr, N_K: tl.constexpr,
@@ -732,53 +701,55 @@ def chunk_bwd_gate_kernel(
     g, A_log, dt_bias, cu_seqlens, chunk_offsets, d_cum_rows, lower_bound, length, n_seqs,
     dg, dA_log_part, ddt_part,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALAR_GATE: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k: from the
     complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``) the gate's backward: dg, the
     reverse cumsum of dG inside the chunk (G_i = Σ_{s <= i} g_s) through the gate
     activation (g's dtype and shape; for the scalar gate this block's share, fp32 ``[B, T,
     HV, N_K]``), and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
-    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate). By 16-row blocks from the
-    last, the sum of the later rows carried."""
+    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate)."""
     N_K = (K + BK - 1) // BK
     i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
                                     IS_VARLEN)  # fmt: skip
     if remaining <= 0:
         return
-    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    tokens = start + rows
+    rows_in = rows < remaining
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
-    if USE_GATE:
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
+    d_raw = tl.cumsum(d_cum, axis=0, reverse=True)
+    if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
+        d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
+            [1, BK], dtype=tl.float32
+        )
+        channel = tl.arange(0, BK) == 0  # the column that stands for the raw gate
     else:
-        rate = 1.0  # unused
-    d_later = tl.zeros([BK], dtype=tl.float32)  # Σ dG of the rows after this block
-    d_a_log = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)  # a 0-d fp32 accumulator
-    d_dt = tl.zeros([BK], dtype=tl.float32)
-    sub = tl.arange(0, BLOCK)
-    for step in tl.static_range(CHUNK // BLOCK):
-        i_b = CHUNK // BLOCK - 1 - step
-        tokens = start + i_b * BLOCK + sub
-        rows_in = i_b * BLOCK + sub < remaining
-        offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-        d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :],
-                        other=0.0)  # fmt: skip
-        d_raw = tl.cumsum(d_cum, axis=0, reverse=True) + d_later[None, :]
-        d_a_log, d_dt = _gate_rows(g, dt_bias, lower_bound, rate, tokens, rows_in, i_hv, i_k,
-                                   offs_k, d_raw, dg, d_a_log, d_dt, HV, K, BK, N_K,
-                                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-                                   USE_LOWER_BOUND)  # fmt: skip
-        d_later += tl.sum(d_cum, axis=0)
+        channel = mask_k
     if USE_GATE:
-        tl.store(dA_log_part + chunk_id * N_K + i_k, d_a_log)
+        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                        HAS_DT_BIAS)  # fmt: skip
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
+        used = rows_in[:, None] & channel[None, :]
+        chunk_id = (i_c * HV + i_hv).to(tl.int64)
+        tl.store(dA_log_part + chunk_id * N_K + i_k, tl.sum(tl.where(used, d_rate, 0.0)))
+        d_dt = tl.sum(tl.where(used, d_raw, 0.0), axis=0)
         if SCALAR_GATE:
             tl.store(ddt_part + chunk_id * N_K + i_k, tl.sum(d_dt, axis=0))
         else:
             tl.store(ddt_part + chunk_id * K + offs_k, d_dt, mask=mask_k)
+    if SCALAR_GATE:
+        tl.store(dg + (tokens * HV + i_hv) * N_K + i_k, _column(d_raw, tl.arange(0, BK), 0),
+                 mask=rows_in)  # fmt: skip
+    else:
+        tl.store(dg + offsets, d_raw.to(dg.dtype.element_ty),
+                 mask=rows_in[:, None] & mask_k[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -810,7 +781,7 @@ def chunk_bwd_qk_kernel(
 
 @triton.jit
 def chunk_bwd_recompute_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, solve,
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, solve, q_norm, k_norm,
     scale, lower_bound, length, n_seqs,
     cum_g, w, u, qg, kd,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -820,14 +791,15 @@ def chunk_bwd_recompute_kernel(
 ):  # fmt: skip
     """G (fp32) and w, u, qg, kd (input dtype) of chunk i_c and value head i_hv (module
     docstring; ``[B, T, HV, K or V]``) from the raw inputs and kernel 1's T, without the
-    solve: G as the forward's gate activation and a 64-row cumsum (the forward
-    sums by 16-row blocks: the same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V``
-    as two 64-row products, ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1).
-    The l2norm and the beta sigmoid are the forward's (``unit_rows``, ``beta_rows``). Each
-    output is stored as soon as it is made, so that few tiles are live at once (sm_90, 8
-    warps, K = V = 128: 134 registers, 128 with the launcher's cap and no spills; in the
-    order of the formulas above, 250)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    solve, for key columns block i_s (BK wide) and value columns block i_s (BV wide; the
+    launcher makes them as many, the last ones possibly past K or V, masked): G
+    as the forward's gate activation and a 64-row cumsum (the forward sums by 16-row
+    blocks: the same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two
+    64-row products, ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The
+    l2norm factors are kernel 1's (``q_norm``, ``k_norm``), so that a program needs only
+    its columns; the beta sigmoid is the forward's (``beta_rows``). Each output is stored
+    as soon as it is made, so that few tiles are live at once."""
+    i_c, i_hv, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
                                     IS_VARLEN)  # fmt: skip
@@ -836,43 +808,46 @@ def chunk_bwd_recompute_kernel(
     rows = tl.arange(0, 64)
     tokens = start + rows
     rows_in = rows < remaining
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
+    offs_k = i_s * BK + tl.arange(0, BK)
+    offs_v = i_s * BV + tl.arange(0, BV)
     mask_k = rows_in[:, None] & (offs_k < K)[None, :]
     mask_v = rows_in[:, None] & (offs_v < V)[None, :]
     value_rows = (tokens * HV + i_hv)[:, None]
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
-
     key_offsets = value_rows * K + offs_k[None, :]
     if SCALAR_GATE:
         raw_g = tl.load(g + tokens * HV + i_hv, mask=rows_in, other=0.0)
     else:
         raw_g = tl.load(g + key_offsets, mask=mask_k, other=0.0)
     decay = tl.cumsum(
-        activate_gate(raw_g, A_log, dt_bias, lower_bound, rows_in, i_hv, offs_k, offs_k < K, K,
-                      BK, 64, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
+        activate_gate(raw_g, A_log, dt_bias, lower_bound, rows_in, i_hv, offs_k,
+                      offs_k < K, K, BK, 64, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
+                      USE_LOWER_BOUND),
         axis=0,
     )  # fmt: skip
     tl.store(cum_g + key_offsets, decay, mask=mask_k)
     from_start = fast_exp(decay)
-    r_q = _load_unit_rows(q, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
-    tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty), mask=mask_k)
-    r_k = _load_unit_rows(k, tokens, rows_in, i_h, H, K, offs_k, USE_L2NORM)
-    # Γ_C from this G, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range) an
-    # ulp of G is ~1e-5, and G's rounding cancels only within one summation.
+    r_q = _load_normed_rows(q, q_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k,
+                            USE_L2NORM)  # fmt: skip
+    tl.store(qg + key_offsets, (scale * r_q * from_start).to(qg.dtype.element_ty),
+             mask=mask_k)  # fmt: skip
+    r_k = _load_normed_rows(k, k_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k,
+                            USE_L2NORM)  # fmt: skip
+    # Γ_C from this G, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range)
+    # an ulp of G is ~1e-5, and G's rounding cancels only within one summation.
     last = tl.minimum(remaining, 64) - 1
     decay_last = tl.sum(tl.where(rows[:, None] == last, decay, 0.0), axis=0)
     b_kd = r_k * fast_exp(decay_last[None, :] - decay)
     tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
-    r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
-    # T's tiles above the diagonal are never written; inside the diagonal ones the upper
-    # triangle is zero.
+    # T's tiles above the diagonal are never written; inside the diagonal ones the
+    # upper triangle is zero.
     t = tl.load(solve + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
     t = tl.where(rows[:, None] >= rows[None, :], t, 0.0)
+    r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
     b_w = tl.dot(t, r_beta[:, None] * r_k * from_start, input_precision=DOT_PRECISION)
     tl.store(w + key_offsets, b_w.to(w.dtype.element_ty), mask=mask_k)
-    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
-    b_u = tl.dot(t, r_beta[:, None] * r_v, input_precision=DOT_PRECISION)
+    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0)
+    b_u = tl.dot(t, r_beta[:, None] * r_v.to(tl.float32), input_precision=DOT_PRECISION)
     tl.store(u + value_rows * V + offs_v[None, :], b_u.to(u.dtype.element_ty), mask=mask_v)
 
 
@@ -906,6 +881,10 @@ ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
+# chunk_bwd_recompute_kernel's columns a program (key and value) and warps. sm_90, Triton
+# 3.9, K = V = 128: 64 columns at 8 warps 82 registers (three programs an SM; 4 warps:
+# 140); all 128 in one program 141 (one program an SM).
+REBUILD_COLUMNS, REBUILD_WARPS = 64, 8
 GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 
 
@@ -1017,16 +996,17 @@ def _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bou
     u = v.new_empty(*tokens_shape, head_v)
     kept = SavedForBackward(*kept, *(None,) * len(ROWS))
     flags = layout.flags
-    # Two programs an SM at K, V <= 128 and 8 warps: ptxas alone takes 134 registers a
-    # thread (sm_90, Triton 3.9), one program an SM; capped at 128 it spills nothing.
-    cap = dict(maxnreg=128) if max(layout.block_k, layout.block_v) <= 128 else {}
-    chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads)](
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve, scale,
-        0.0 if lower_bound is None else lower_bound, length, layout.n_seqs,
+    splits = max(cdiv(head_k, REBUILD_COLUMNS), cdiv(head_v, REBUILD_COLUMNS))
+    block_k = max(16, next_power_of_2(cdiv(head_k, splits)))  # tl.dot needs dims >= 16
+    block_v = max(16, next_power_of_2(cdiv(head_v, splits)))
+    chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads, splits)](
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve,
+        kept.q_norm, kept.k_norm, scale, 0.0 if lower_bound is None else lower_bound, length,
+        layout.n_seqs,
         cum_g, w, u, qg, kd,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=layout.block_k, BV=layout.block_v,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BN=next_power_of_2(layout.n_seqs),
-        **{name: flags[name] for name in RECOMPUTE_FLAGS}, num_warps=layout.warps, **cap,
+        **{name: flags[name] for name in RECOMPUTE_FLAGS}, num_warps=REBUILD_WARPS,
     )  # fmt: skip
     return kept._replace(cum_g=cum_g, w=w, u=u, qg=qg, kd=kd)
 
@@ -1219,7 +1199,7 @@ def launch_chunk_kda_backward(
         )  # fmt: skip
     chunk_bwd_gate_kernel[(n_chunks * n_k, value_heads)](
         g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
-        HV=value_heads, K=head_k, BK=pair_k, BN=shape["BN"], CHUNK=CHUNK, BLOCK=BLOCK.value,
+        HV=value_heads, K=head_k, BK=pair_k, BN=shape["BN"], CHUNK=CHUNK,
         **{name: flags[name] for name in GATE_FLAGS}, num_warps=4,
     )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
