@@ -76,8 +76,9 @@ and it took 12.4 of the backward's 22.5 ms (H200, T = 8192, 64 heads). Split ove
 columns, the four row blocks unrolled in one program, it took 4.66 ms of a 13.7 ms
 training step (same shape; WY 3.14, kernel 1 2.83 ms) at 255 registers a thread and
 spills (sm_90, 4 warps, two programs an SM). One program a row block (the gate's
-backward, whose reverse cumsum runs across the blocks, apart): 155 registers, no
-spills, three programs an SM (sm_90, Triton 3.9, safe gate; the dyadic launch 255).
+backward, whose reverse cumsum runs across the blocks, apart) on 64 key columns: 245
+registers, no spills, two programs an SM (sm_90, Triton 3.9, 4 warps, safe gate; the
+dyadic launch 255 and 408 bytes of stack).
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -882,9 +883,10 @@ RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", 
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
 # chunk_bwd_recompute_kernel's columns a program (key and value) and warps. sm_90, Triton
-# 3.9, K = V = 128: 64 columns at 8 warps 82 registers (three programs an SM; 4 warps:
-# 140); all 128 in one program 141 (one program an SM).
-REBUILD_COLUMNS, REBUILD_WARPS = 64, 8
+# 3.9, K = V = 128: 32 columns at 4 warps 91 registers (five programs an SM); 64 at 8
+# warps 82 (three), at 4 warps 140; all 128 in one program 141 (one). H200, T = 8192,
+# H = 64, a training step: 9.88 ms at 64 / 8, 9.78 at 32 / 4.
+REBUILD_COLUMNS, REBUILD_WARPS = 32, 4
 GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 
 
@@ -1227,8 +1229,9 @@ def launch_chunk_kda_backward(
 
 
 def pairs_key_columns(block_k: int, device: torch.device) -> int:
-    """Key columns per program of ``chunk_bwd_pairs_kernel``: 32 (a [16, 32] fp32 tile
-    is 4 registers a thread at 4 warps, so the chunk's four row blocks and the column
-    accumulators stay in registers); off CUDA (the interpreter) 16, so that CI covers
-    several column blocks."""
-    return min(block_k, 32 if device.type == "cuda" else 16)
+    """Key columns per program of ``chunk_bwd_pairs_kernel``: 64 on CUDA (sm_90, Triton
+    3.9, 4 warps: 245 registers, no spills, two programs an SM; at 32 columns 155 and
+    three, but each program reloads the pair tiles and the row norms for half the work:
+    H200, T = 8192, H = 64, a training step 9.88 -> 9.51 ms); off CUDA (the interpreter)
+    16, so that CI covers several column blocks."""
+    return min(block_k, 64 if device.type == "cuda" else 16)

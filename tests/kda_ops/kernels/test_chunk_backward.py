@@ -205,14 +205,14 @@ def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows):
 
 
 @pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "pregated", "gdn"])
-@pytest.mark.parametrize("head_v", [16, 24, 80], ids=["K=V", "K!=V", "V-in-two-blocks"])
+@pytest.mark.parametrize("head_v", [16, 24, 80], ids=["K=V", "K!=V", "V-over-column-blocks"])
 def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
     """Kept without G, w, u, qg, kd, the backward rebuilds them from the inputs and T (G by
     one 64-row cumsum, ``w = T β K̂Γ``, ``u = T β V`` as whole products). G is summed in
     another order than kernel 1's, so its gradients are judged against float64 (as the
     other tests'), not bit for bit against the kept rows'; packed sequences, K == V,
-    K != V, and V over two of the rebuild's column blocks (``REBUILD_COLUMNS``; K's second
-    block then lies wholly past K). That backward only reads what was kept, so a second
+    K != V, and V over several of the rebuild's column blocks (``REBUILD_COLUMNS``; K's
+    later blocks then lie wholly past K). That backward only reads what was kept, so a second
     one gives the same bits."""
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
         variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v

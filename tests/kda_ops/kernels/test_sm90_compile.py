@@ -67,7 +67,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"chunk_bwd_pairs_kernel/{chunks}": (
             "chunk_backward", "chunk_bwd_pairs_kernel",
-            dict(H=32, HV=32, K=128, BK=32, BN=1, CHUNK=64, BLOCK=16, SAFE_GATE=chunks == "all",
+            dict(H=32, HV=32, K=128, BK=64, BN=1, CHUNK=64, BLOCK=16, SAFE_GATE=chunks == "all",
                  USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
                  DOT_PRECISION="tf32", CHUNKS=chunks),
         )
@@ -77,7 +77,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"chunk_bwd_gate_kernel/scalar_gate={scalar}": (
             "chunk_backward", "chunk_bwd_gate_kernel",
-            dict(HV=32, K=128, BK=32, BN=1, CHUNK=64, SCALAR_GATE=scalar,
+            dict(HV=32, K=128, BK=64, BN=1, CHUNK=64, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
                  IS_VARLEN=False),
         )
@@ -87,7 +87,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
     **{
         f"chunk_bwd_recompute_kernel/scalar_gate={scalar}": (
             "chunk_backward", "chunk_bwd_recompute_kernel",
-            dict(H=32, HV=32, K=128, V=128, BK=64, BV=64, BN=1, SCALAR_GATE=scalar,
+            dict(H=32, HV=32, K=128, V=128, BK=32, BV=32, BN=1, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
                  USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
                  DOT_PRECISION="tf32"),
