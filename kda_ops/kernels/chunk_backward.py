@@ -33,7 +33,7 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    terms of ``dA = -(dRu uᵀ + dRw wᵀ)`` and dbeta; writes dv and the row-local parts of
    dq, dk, dG, dbeta.
 4. ``chunk_bwd_pairs_kernel``, token-parallel, one program a 16-row block and split over
-   the key columns (grid: chunks × column blocks of 32 × 4 row blocks, value heads):
+   the key columns (grid: chunks × column blocks of 64 × 4 row blocks, value heads):
    every pair term is a per-column product. A program takes its block's pair terms of A
    and Aqk (q̂ / k̂ / G / β gradients): its rows against the earlier blocks' columns, its
    columns against the later blocks' rows (one other block at a time, in a loop), and
