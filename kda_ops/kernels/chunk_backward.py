@@ -134,6 +134,26 @@ def _load_unit_rows(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, o
 
 
 @triton.jit
+def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """``[R]`` fp32 factors that l2-normalise whole rows of q or k, as
+    ``chunk_bwd_prepare_kernel`` stored them (``[B, T, HV]``; ones without ``USE_L2NORM``),
+    for kernels that load rows a block of columns at a time."""
+    factors = tl.full([tokens.shape[0]], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        factors = tl.load(norm + tokens * HV + i_hv, mask=rows_in, other=0.0)
+    return factors
+
+
+@triton.jit
+def _load_normed_rows(x, norm, tokens, rows_in, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, offs_k, USE_L2NORM: tl.constexpr):  # fmt: skip
+    """Rows of q or k ``[R, BK]`` fp32 on the columns ``offs_k``, l2-normalised by their
+    whole rows' factors as kernel 1 stored them (``_stored_norms``); zero outside."""
+    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
+    return raw * _stored_norms(norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
+
+
+@triton.jit
 def _load_cum_rows(cum_g, tokens, rows_in, i_hv, HV: tl.constexpr, K: tl.constexpr, offs_k,
                    cum_last):  # fmt: skip
     """Cumulative log-decay rows ``[R, BK]``; rows past the sequence hold the chunk's last
@@ -409,26 +429,6 @@ def chunk_bwd_state_kernel(
     if HAS_INITIAL_STATE:
         tl.store(grad_initial_state + i_nh.to(tl.int64) * K * V + tile_offsets, d_state,
                  mask=state_mask)  # fmt: skip
-
-
-@triton.jit
-def _stored_norms(norm, tokens, rows_in, i_hv, HV: tl.constexpr, USE_L2NORM: tl.constexpr):
-    """``[R]`` fp32 factors that l2-normalise whole rows of q or k, as
-    ``chunk_bwd_prepare_kernel`` stored them (``[B, T, HV]``; ones without ``USE_L2NORM``),
-    for kernels that load rows a block of columns at a time."""
-    factors = tl.full([tokens.shape[0]], 1.0, dtype=tl.float32)
-    if USE_L2NORM:
-        factors = tl.load(norm + tokens * HV + i_hv, mask=rows_in, other=0.0)
-    return factors
-
-
-@triton.jit
-def _load_normed_rows(x, norm, tokens, rows_in, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, offs_k, USE_L2NORM: tl.constexpr):  # fmt: skip
-    """Rows of q or k ``[R, BK]`` fp32 on the columns ``offs_k``, l2-normalised by their
-    whole rows' factors as kernel 1 stored them (``_stored_norms``); zero outside."""
-    raw = _load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
-    return raw * _stored_norms(norm, tokens, rows_in, i_hv, HV, USE_L2NORM)[:, None]
 
 
 @triton.jit
