@@ -157,7 +157,7 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
 def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
                          *_grad_kept: Optional[Tensor]):  # fmt: skip
     primals, kept = ctx.saved_tensors[:_PRIMALS], list(ctx.saved_tensors[_PRIMALS:])
-    q, v, cu_seqlens = primals[0], primals[2], primals[8]
+    q, v, cu_seqlens = primals[0], primals[2], primals[-1]
     if grad_o is None:  # an output the loss does not use: o is v-shaped, in v's dtype
         grad_o = torch.zeros_like(v)
     if grad_final_state is None:

@@ -882,12 +882,12 @@ ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
+GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 # chunk_bwd_recompute_kernel's columns a program (key and value) and warps. sm_90, Triton
 # 3.9, K = V = 128: 32 columns at 4 warps 91 registers (five programs an SM); 64 at 8
 # warps 82 (three), at 4 warps 140; all 128 in one program 141 (one). H200, T = 8192,
 # H = 64, a training step: 9.88 ms at 64 / 8, 9.78 at 32 / 4.
 REBUILD_COLUMNS, REBUILD_WARPS = 32, 4
-GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 
 
 class _Layout(NamedTuple):
