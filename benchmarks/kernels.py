@@ -1,0 +1,75 @@
+"""Per-kernel GPU time of one chunk_kda training step (forward + backward of every input),
+ours and flash-linear-attention's (fla-core 0.6.0) in the same process: where the time of
+``ops.py``'s fwd+bwd rows goes, kernel by kernel (torch.profiler, µs a step, averaged over
+``--steps`` profiled steps after three warm-up steps).
+
+Usage (GPU): ``python benchmarks/kernels.py [--heads 64] [--length 8192] [--softplus]
+[--disable-recompute] [--steps 5]``.
+"""
+
+import argparse
+from collections import Counter
+
+import torch
+from fla.ops.kda import chunk_kda as fla_chunk_kda
+from ops import IN_KERNEL, LOWER_BOUND, kda_inputs
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import kda_ops
+
+WARMUP_STEPS = 3
+
+
+def kernel_times_us(step, steps: int) -> Counter:
+    """Device µs a step of each kernel ``step()`` launches (by kernel name)."""
+    for _ in range(WARMUP_STEPS):  # compile, autotune
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = Counter()
+    for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            times[event.key] += event.self_device_time_total / steps
+    return times
+
+
+def print_table(name: str, times: Counter, rows: int = 16) -> None:
+    total = sum(times.values())
+    print(f"\n{name}: {total:.0f} µs a step\n\n| kernel | µs | share |\n| --- | ---: | ---: |")
+    for kernel, us in times.most_common(rows):
+        print(f"| `{kernel[:80]}` | {us:.0f} | {us / total:.1%} |")
+    rest = total - sum(us for _, us in times.most_common(rows))
+    if rest > 0:
+        print(f"| {len(times) - rows} others | {rest:.0f} | {rest / total:.1%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
+    parser.add_argument("--disable-recompute", action="store_true")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    x = kda_inputs(1, args.length, args.heads)
+    options = dict(IN_KERNEL, lower_bound=None if args.softplus else LOWER_BOUND,
+                   disable_recompute=args.disable_recompute)  # fmt: skip
+    leaves = [t.requires_grad_() for t in x.values()]
+    grad_o = torch.randn_like(x["v"])
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
+          f"H={args.heads} D=128 bf16, {options}")  # fmt: skip
+    for name, chunk_kda in (("ours", kda_ops.chunk_kda), ("FLA", fla_chunk_kda)):
+
+        def step(chunk_kda=chunk_kda):
+            o, _ = chunk_kda(**x, **options)
+            return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+
+        print_table(name, kernel_times_us(step, args.steps))
+
+
+if __name__ == "__main__":
+    main()
