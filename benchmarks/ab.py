@@ -1,0 +1,170 @@
+"""A/B timing of kernel changes: one chunk_kda training step (forward + backward of every
+input; gate, beta sigmoid and l2norm in the kernel; random gate parameters) timed from
+several source trees, each in a process of its own, in rounds of alternating order, and
+every tree's gradients compared with the first tree's. Ours only: FLA's time moves by
+several percent between machines (``benchmarks/README.md``), while trees timed one after
+another on one GPU compare with each other.
+
+A tree is a git ref of this repository (its ``kda_ops`` taken with ``git archive``) or
+``.`` (the working tree), optionally with module constants of ``kda_ops.kernels`` set:
+``REF[:MODULE.NAME=VALUE,...]``, e.g. ``main:chunk_backward.WY_WARPS=8``.
+
+Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk_backward.WY_WARPS=8
+[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]``. Without a
+GPU it runs the kernels in Triton's interpreter (small shapes only: ``--length 128
+--heads 2 --dim 16``), which checks the plumbing, not the speed.
+"""
+
+import argparse
+import ast
+import importlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GRADIENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+def parse_tree(spec: str) -> tuple[str, dict[str, object]]:
+    """``REF[:MODULE.NAME=VALUE,...]`` -> (ref, {"MODULE.NAME": value})."""
+    ref, _, settings = spec.partition(":")
+    values = {}
+    for item in filter(None, settings.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or "." not in name:
+            raise ValueError(f"setting {item!r} of {spec!r} is not MODULE.NAME=VALUE")
+        values[name] = ast.literal_eval(value)
+    return ref, values
+
+
+def materialise(ref: str, into: Path) -> Path:
+    """The directory holding ``ref``'s ``kda_ops`` (the repository itself for ``.``)."""
+    if ref == ".":
+        return ROOT
+    archive = subprocess.run(["git", "archive", "--format=tar", ref, "kda_ops"], cwd=ROOT,
+                             check=True, capture_output=True).stdout  # fmt: skip
+    tree = into / ref.replace("/", "_")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Times the step from ``args.tree`` and saves its gradients; prints JSON."""
+    sys.path.insert(0, args.tree)
+    import kda_ops
+
+    if not Path(kda_ops.__file__).is_relative_to(args.tree):
+        raise RuntimeError(f"kda_ops imported from {kda_ops.__file__}, not {args.tree}")
+    for name, value in json.loads(args.settings).items():
+        module_name, _, constant = name.rpartition(".")
+        module = importlib.import_module(f"kda_ops.kernels.{module_name}")
+        if not hasattr(module, constant):
+            raise AttributeError(f"kda_ops.kernels.{module_name} has no {constant}")
+        setattr(module, constant, value)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: fp32
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    h, t, d = args.heads, args.length, args.dim
+    x = {name: rand(1, t, h, d).to(dtype) for name in ("q", "k", "v", "g")}
+    x["beta"] = rand(1, t, h).to(dtype)
+    x["A_log"], x["dt_bias"] = rand(h), rand(h * d, scale=0.5)
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, disable_recompute=args.disable_recompute,
+                   lower_bound=None if args.softplus else -5.0)  # fmt: skip
+    leaves = [x[name].requires_grad_() for name in GRADIENTS]
+    grad_o = rand(1, t, h, d).to(dtype)
+
+    def step():
+        o, _ = kda_ops.chunk_kda(**x, **options)
+        return torch.autograd.grad(o, leaves, grad_o)
+
+    torch.save([grad.float().cpu() for grad in step()], args.grads)
+    if device == "cuda":
+        from harness import time_ms
+
+        ms = time_ms(step)
+    else:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        ms = statistics.median(times)
+    print(json.dumps({"ms": ms}))
+
+
+def relative_errors(got: list, expected: list) -> list[float]:
+    return [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, expected)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trees", nargs="*", help="REF[:MODULE.NAME=VALUE,...]")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
+    parser.add_argument("--disable-recompute", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--grads", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if not args.trees:
+        parser.error("name at least one tree")
+    shape = ["--heads", str(args.heads), "--length", str(args.length), "--dim", str(args.dim)]
+    shape += ["--softplus"] * args.softplus + ["--disable-recompute"] * args.disable_recompute
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        trees = [parse_tree(spec) for spec in args.trees]
+        dirs = {ref: materialise(ref, scratch) for ref, _ in trees}
+        times = [[] for _ in trees]
+        for round_ in range(args.rounds):
+            order = range(len(trees)) if round_ % 2 == 0 else reversed(range(len(trees)))
+            for index in order:
+                ref, settings = trees[index]
+                command = [sys.executable, __file__, "--worker", "--tree", str(dirs[ref]),
+                           "--settings", json.dumps(settings),
+                           "--grads", str(scratch / f"grads_{index}.pt"), *shape]  # fmt: skip
+                result = subprocess.run(command, env=env, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"{args.trees[index]} failed:\n{result.stderr[-4000:]}")
+                times[index].append(json.loads(result.stdout.splitlines()[-1])["ms"])
+                print(f"round {round_ + 1}: {args.trees[index]} {times[index][-1] * 1e3:.1f} µs",
+                      flush=True)  # fmt: skip
+        first = torch.load(scratch / "grads_0.pt")
+        print("\n| tree | µs a step, by round | vs first | gradients vs first (rel.) |")
+        print("| --- | --- | ---: | --- |")
+        base = statistics.median(times[0])
+        for index, spec in enumerate(args.trees):
+            errors = relative_errors(torch.load(scratch / f"grads_{index}.pt"), first)
+            spread = ", ".join(f"{ms * 1e3:.1f}" for ms in times[index])
+            ratio = statistics.median(times[index]) / base
+            grads = " ".join(f"{n} {e:.1e}" for n, e in zip(GRADIENTS, errors))
+            print(f"| {spec} | {spread} | {ratio:.3f} | {grads} |")
+
+
+if __name__ == "__main__":
+    main()
