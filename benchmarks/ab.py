@@ -5,9 +5,12 @@ every tree's gradients compared with the first tree's. Ours only: FLA's time mov
 several percent between machines (``benchmarks/README.md``), while trees timed one after
 another on one GPU compare with each other.
 
-A tree is a git ref of this repository (its ``kda_ops`` taken with ``git archive``) or
-``.`` (the working tree), optionally with module constants of ``kda_ops.kernels`` set:
-``REF[:MODULE.NAME=VALUE,...]``, e.g. ``main:chunk_backward.WY_WARPS=8``.
+A tree is a directory holding a ``kda_ops`` package (``.``: this checkout; the GPU
+machine's copy of the working tree has no ``.git``, so take other trees there as
+directories, e.g. made by ``git archive REF kda_ops | tar -x -C DIR``) or a git ref of this
+repository (its ``kda_ops`` taken with ``git archive``), optionally with module constants
+of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
+``main:chunk_backward.WY_WARPS=8``.
 
 Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk_backward.WY_WARPS=8
 [--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]``. Without a
@@ -36,7 +39,7 @@ GRADIENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
 
 def parse_tree(spec: str) -> tuple[str, dict[str, object]]:
-    """``REF[:MODULE.NAME=VALUE,...]`` -> (ref, {"MODULE.NAME": value})."""
+    """``TREE[:MODULE.NAME=VALUE,...]`` -> (tree, {"MODULE.NAME": value})."""
     ref, _, settings = spec.partition(":")
     values = {}
     for item in filter(None, settings.split(",")):
@@ -48,9 +51,9 @@ def parse_tree(spec: str) -> tuple[str, dict[str, object]]:
 
 
 def materialise(ref: str, into: Path) -> Path:
-    """The directory holding ``ref``'s ``kda_ops`` (the repository itself for ``.``)."""
-    if ref == ".":
-        return ROOT
+    """The directory holding ``ref``'s ``kda_ops``: ``ref`` itself where it is one."""
+    if (Path(ref) / "kda_ops").is_dir():
+        return Path(ref).resolve()
     archive = subprocess.run(["git", "archive", "--format=tar", ref, "kda_ops"], cwd=ROOT,
                              check=True, capture_output=True).stdout  # fmt: skip
     tree = into / ref.replace("/", "_")
@@ -114,7 +117,7 @@ def relative_errors(got: list, expected: list) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("trees", nargs="*", help="REF[:MODULE.NAME=VALUE,...]")
+    parser.add_argument("trees", nargs="*", help="TREE[:MODULE.NAME=VALUE,...]")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192)
