@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import relative_error, time_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 GRADIENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -98,8 +99,6 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.save([grad.float().cpu() for grad in step()], args.grads)
     if device == "cuda":
-        from harness import time_ms
-
         ms = time_ms(step)
     else:
         times = []
@@ -109,10 +108,6 @@ def worker(args: argparse.Namespace) -> None:
             times.append((time.perf_counter() - start) * 1e3)
         ms = statistics.median(times)
     print(json.dumps({"ms": ms}))
-
-
-def relative_errors(got: list, expected: list) -> list[float]:
-    return [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, expected)]
 
 
 def main() -> None:
@@ -162,7 +157,8 @@ def main() -> None:
         print("| --- | --- | ---: | --- |")
         base = statistics.median(times[0])
         for index, spec in enumerate(args.trees):
-            errors = relative_errors(torch.load(scratch / f"grads_{index}.pt"), first)
+            got = torch.load(scratch / f"grads_{index}.pt")
+            errors = [relative_error(a, b) for a, b in zip(got, first)]
             spread = ", ".join(f"{ms * 1e3:.1f}" for ms in times[index])
             ratio = statistics.median(times[index]) / base
             grads = " ".join(f"{n} {e:.1e}" for n, e in zip(GRADIENTS, errors))

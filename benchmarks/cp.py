@@ -23,7 +23,7 @@ import argparse
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from harness import Row, report, time_ms
+from harness import Row, relative_error, report, time_ms
 
 import kda_ops
 from kda_ops.kernels.chunk import launch_chunk_kda, recurrence_segments
@@ -86,12 +86,6 @@ def kernel_args(long: dict, dim: int) -> tuple:
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
     return (*(long[n] for n in names), None, None, dim**-0.5, IN_KERNEL["lower_bound"], True,
             True)  # fmt: skip
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """FLA's metric: ||expected - got|| / ||expected||, in float64."""
-    expected = expected.double()
-    return ((got.double() - expected).norm() / expected.norm()).item()
 
 
 def print_errors(long: dict, dim: int) -> None:

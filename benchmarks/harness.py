@@ -60,6 +60,12 @@ def graph_time_ms(calls) -> float:
     return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / len(calls)
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """FLA's metric: ||expected - got|| / ||expected||, in float64."""
+    expected = expected.double()
+    return ((got.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
 def copy_bandwidth_tbs(nbytes: int = 2**31) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the ceiling for our kernels."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
