@@ -644,7 +644,8 @@ def chunk_recurrence_kernel(
         b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
         chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
         if STORE_CHUNK_STATES:  # the state entering this chunk
-            tl.store(chunk_states + chunk_id * K * WIDTH + tile_offsets, state, mask=state_mask)
+            tl.store(chunk_states + chunk_id * K * WIDTH + tile_offsets,
+                     state.to(chunk_states.dtype.element_ty), mask=state_mask)  # fmt: skip
         b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
         # Blocks above the diagonal are never written (no zero-filled buffer needed).
         b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
@@ -736,7 +737,8 @@ def launch_chunk_kda(
     ``output=False``, which skips the output products) and the fp32 final state.
     Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32.
 
-    ``chunk_states``: optional contiguous fp32 output ``[R, HV, K, V]`` with
+    ``chunk_states``: optional contiguous output ``[R, HV, K, V]`` (fp32, or the dot dtype
+    where the backward reads them) with
     ``R = chunk_state_rows(B, T, N or None)``, filled with the state at the start of every
     chunk (chunk c of sequence n at row ``n * ceil(T / 64) + c``, or
     ``chunk_offsets(cu_seqlens)[n] + c`` with packed sequences, whose rows past the last

@@ -23,7 +23,7 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
-   dv_new (fp32), dS' of every chunk (fp32, at the chunk's global number) and dS of the
+   dv_new (fp32), dS' of every chunk (q's dtype, at the chunk's global number) and dS of the
    first chunk (the initial state's gradient). It never needs S itself.
 3. ``chunk_bwd_wy_kernel``, token-parallel, on all 64 rows, in two passes. By value
    blocks: recomputes ``u = T β V`` and ``v_new = u - w S``, computes ``dRu = Tᵀ dv_new``
@@ -379,8 +379,8 @@ def chunk_bwd_state_kernel(
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Reverse scan over the chunks of sequence i_n, value head i_hv, value columns of
-    block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (fp32 ``[n_chunks, HV, K,
-    V]``: the gradient of the state leaving each chunk) and, with
+    block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (``[n_chunks, HV, K, V]``
+    in its buffer's dtype: the gradient of the state leaving each chunk) and, with
     ``HAS_INITIAL_STATE``, the initial state's gradient (fp32 ``[N, HV, K, V]``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -407,7 +407,8 @@ def chunk_bwd_state_kernel(
         mask_rows_k = in_seq[:, None] & mask_k[None, :]
         mask_rows_v = in_seq[:, None] & mask_v[None, :]
         chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
-        tl.store(dstates + chunk_id * K * V + tile_offsets, d_state, mask=state_mask)
+        tl.store(dstates + chunk_id * K * V + tile_offsets,
+                 d_state.to(dstates.dtype.element_ty), mask=state_mask)  # fmt: skip
         b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_qg = tl.load(qg + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
@@ -535,8 +536,8 @@ def chunk_bwd_wy_kernel(
         key_offsets = row_offsets * K + offs_kb[None, :]
         tile = state + offs_kb[:, None] * V + offs_v[None, :]
         tile_mask = mask_kb[:, None] & mask_v[None, :]
-        s_keys = tl.load(chunk_states + tile, mask=tile_mask, other=0.0)
-        ds_keys = tl.load(dstates + tile, mask=tile_mask, other=0.0)
+        s_keys = tl.load(chunk_states + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        ds_keys = tl.load(dstates + tile, mask=tile_mask, other=0.0).to(tl.float32)
         s_keys_t = tl.trans(s_keys.to(dot_dtype))
         d_qg = tl.dot(b_do, s_keys_t, input_precision=DOT_PRECISION)
         d_kd = tl.dot(v_new, tl.trans(ds_keys.to(dot_dtype)), input_precision=DOT_PRECISION)
@@ -1079,10 +1080,10 @@ def launch_chunk_kda_backward(
     kd (they serve one backward).
 
     Scratch, with R chunk rows (``chunk_state_rows``): the chunk states and their
-    gradients (fp32 ``[R, HV, K, V]`` each), dv_new, three row-gradient buffers (fp32
+    gradients (``[R, HV, K, V]`` each, q's dtype), dv_new, three row-gradient buffers (fp32
     ``[B, T, HV, K or V]``), v_new and dRu (input dtype), dβ's shares over the key-column
     blocks, and unless given, ``SavedForBackward``; at B = 1, T = 8192, HV = 64, K = V =
-    128 about 3 GB besides the outputs."""
+    128, bf16, about 2.5 GB besides the outputs."""
     q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
     if initial_state is not None:
@@ -1121,7 +1122,11 @@ def launch_chunk_kda_backward(
 
     # The chunk states, from kernel 1's w, u, kd (no second run of the forward's
     # prepare kernel).
-    chunk_states = torch.empty(n_chunks, value_heads, head_k, head_v, **f32)
+    # States and their gradients in the dot dtype (fp32 inputs keep fp32): every product
+    # takes them in that dtype anyway (only Γ_C's term Σ S ⊙ dS' reads them rounded), and in
+    # fp32 they are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128, written once and
+    # read up to twice by the WY kernel.
+    chunk_states = q.new_empty(n_chunks, value_heads, head_k, head_v)
     scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, offsets, None,
                 torch.empty(n_seqs, value_heads, head_k, head_v, **f32), chunk_states,
                 precision)  # fmt: skip
