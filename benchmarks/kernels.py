@@ -1,10 +1,11 @@
-"""Per-kernel GPU time of one chunk_kda training step (forward + backward of every input),
-ours and flash-linear-attention's (fla-core 0.6.0) in the same process: where the time of
-``ops.py``'s fwd+bwd rows goes, kernel by kernel (torch.profiler, µs a step, averaged over
-``--steps`` profiled steps after three warm-up steps).
+"""Per-kernel GPU time of one chunk_kda training step (forward + backward of every input;
+with ``--forward`` the forward alone), ours and flash-linear-attention's (fla-core 0.6.0)
+in the same process: where the time of ``ops.py``'s rows goes, kernel by kernel
+(torch.profiler, µs a step, averaged over ``--steps`` profiled steps after three warm-up
+steps).
 
 Usage (GPU): ``python benchmarks/kernels.py [--heads 64] [--length 8192] [--softplus]
-[--disable-recompute] [--steps 5]``.
+[--disable-recompute] [--forward] [--steps 5]``.
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
     parser.add_argument("--disable-recompute", action="store_true")
+    parser.add_argument("--forward", action="store_true", help="the forward alone")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     x = kda_inputs(1, args.length, args.heads)
@@ -65,6 +67,9 @@ def main() -> None:
     for name, chunk_kda in (("ours", kda_ops.chunk_kda), ("FLA", fla_chunk_kda)):
 
         def step(chunk_kda=chunk_kda):
+            if args.forward:
+                with torch.no_grad():
+                    return chunk_kda(**x, **options)
             o, _ = chunk_kda(**x, **options)
             return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
 
