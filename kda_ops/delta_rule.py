@@ -578,10 +578,11 @@ def chunk_kda(
             grad mode is on).
         disable_recompute: FLA's option to keep more of the forward for the backward.
             When autograd records the call (CUDA), the forward runs the backward's first
-            kernel and keeps its Aqk and T (fp32; about 0.28 GB at B = 1, T = 8192,
-            HV = 64, K = V = 128), from which and the inputs the backward rebuilds G, w, u,
-            qg, kd with a cumsum and two whole-chunk products; with
-            ``disable_recompute=True`` it keeps those too (about 1.1 GB there) and uses
+            kernel and keeps its Aqk and T (fp32) and the chunk-start states (q's dtype;
+            together about 0.55 GB at B = 1, T = 8192, HV = 64, K = V = 128, bf16), from
+            which and the inputs the backward rebuilds G, w, u, qg, kd with a cumsum and
+            two whole-chunk products; with ``disable_recompute=True`` it keeps those too
+            (about 1.4 GB there) and uses
             them as the backward's scratch, so that graph can be backpropagated once (a
             second backward with ``retain_graph=True`` raises); timings and peaks on an
             H200 in ``benchmarks/README.md``. Without autograd, and off CUDA, it changes

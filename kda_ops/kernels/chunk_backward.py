@@ -1,5 +1,6 @@
-"""Chunkwise KDA / Gated DeltaNet backward in six kernels and the forward's recurrence
-kernel (for the chunk-start states, from kernel 1's intermediates).
+"""Chunkwise KDA / Gated DeltaNet backward in six kernels, from the chunk-start states the
+training forward's recurrence kernel keeps (or, when nothing was kept, that kernel run
+here on kernel 1's intermediates).
 
 Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``): q̂, k̂ the
 (l2-normalised) rows, β, in-chunk cumulative log-decay G (Γ = exp(G), Γ_C its last row),
@@ -47,14 +48,16 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    the l2-normalised rows, summing each head's value-head group, then the l2norm
    backward (a whole-row product, hence not in kernel 4).
 
-Saved versus recomputed: the chunk states S are recomputed by the forward's recurrence
-kernel (their HBM round trip is what the head-parallel scan costs anyway), from kernel 1's
-w, u, kd: the forward's prepare kernel does not run again. Kernel 1's outputs are made
-once, not per value block (kernel 2 reads them serially per chunk, kernel 3 needs T, and
-recomputing them per value block would repeat the O(C² K) work): by the training forward,
-which keeps Aqk and T (fp32; about 0.28 GB at T = 8192, 64 heads, K = V = 128) and, with
-``disable_recompute``, G, w, u, qg, kd too (about 1.1 GB); by the backward itself when
-nothing was kept (``kda::chunk``'s own autograd, when that op is called directly).
+Saved versus recomputed: the training forward's recurrence writes the chunk states S (q's
+dtype; 0.27 GB in bf16 at T = 8192, 64 heads, K = V = 128) as it goes, and the forward
+keeps them: running that head-parallel scan again in the backward cost 0.37 ms of a 9.0
+ms step (H200, same shape), where writing them costs one more pass of their bytes.
+Kernel 1's outputs are made once, not per value block (kernel 2 reads them serially per
+chunk, kernel 3 needs T, and recomputing them per value block would repeat the O(C² K)
+work): by the training forward, which keeps Aqk and T (fp32; about 0.28 GB at that shape)
+and, with ``disable_recompute``, G, w, u, qg, kd too (about 1.1 GB); by the backward
+itself when nothing was kept (``kda::chunk``'s own autograd, when that op is called
+directly), which then also runs the recurrence for S.
 Rebuilding G and the four rows from the inputs and T costs a cumsum and two products a
 chunk, and writes G (0.27 GB there) in the backward instead of holding it from the
 forward; recomputing Aqk and T costs the whole of kernel 1 (2.2 of a 12.1 ms step at
@@ -860,7 +863,9 @@ class SavedForBackward(NamedTuple):
     rows (``chunk_state_rows``): Aqk and T fp32 ``[R, HV, 64, 64]``; the chunks' total
     log-decay fp32 ``[R, HV, K]``; the inverse norms of the q and k rows fp32 ``[B, T,
     HV]``; without the safe gate the int8 ``[R, HV]`` flags of the chunks the pairs kernel
-    takes dyadically (unused with it); then the rows: G fp32 ``[B, T, HV, K]`` (``None``
+    takes dyadically (unused with it); the state entering every chunk ``[R, HV, K, V]`` in
+    q's dtype (written by the forward's recurrence, or by the backward's own when kernel 1
+    ran there); then the rows: G fp32 ``[B, T, HV, K]`` (``None``
     when kernel 1 did not store it), w, qg, kd ``[B, T, HV, K]`` in q's dtype and u ``[B,
     T, HV, V]`` in v's, which ``chunk_bwd_recompute_kernel`` rebuilds from the rest and the
     inputs."""
@@ -871,6 +876,7 @@ class SavedForBackward(NamedTuple):
     q_norm: Tensor
     k_norm: Tensor
     unbounded: Tensor
+    chunk_states: Tensor
     cum_g: Optional[Tensor]
     w: Tensor
     u: Tensor
@@ -950,6 +956,7 @@ def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> Sav
         q_norm=q.new_empty(*tokens, **f32),
         k_norm=q.new_empty(*tokens, **f32),
         unbounded=q.new_empty(n_chunks, value_heads, dtype=torch.int8),
+        chunk_states=q.new_empty(n_chunks, value_heads, head_k, head_v),
         cum_g=q.new_empty(*tokens, head_k, **f32) if with_g else None,
         w=q.new_empty(*tokens, head_k),
         u=v.new_empty(*tokens, head_v),
@@ -1033,8 +1040,8 @@ def launch_chunk_kda_training(
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
     prepare step is the backward's kernel 1, whose outputs are returned for
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
-    unless ``keep_rows``): about 0.28 GB without the rows, 1.1 GB with them, at B = 1,
-    T = 8192, H = 64 (step times against FLA's in ``benchmarks/README.md``)."""
+    unless ``keep_rows``): about 0.55 GB without the rows, 1.4 GB with them, at B = 1,
+    T = 8192, H = 64, bf16 (step times against FLA's in ``benchmarks/README.md``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     layout = _layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                      use_beta_sigmoid)  # fmt: skip
@@ -1046,8 +1053,8 @@ def launch_chunk_kda_training(
     final_state = q.new_empty(layout.n_seqs, v.shape[2], q.shape[3], v.shape[3],
                               dtype=torch.float32)  # fmt: skip
     scan_chunks((saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.chunk_decay),
-                initial_state, cu_seqlens, layout.chunk_offsets, o, final_state, None,
-                layout.flags["DOT_PRECISION"])  # fmt: skip
+                initial_state, cu_seqlens, layout.chunk_offsets, o, final_state,
+                saved.chunk_states, layout.flags["DOT_PRECISION"])  # fmt: skip
     return o, final_state, saved if keep_rows else saved[: -len(ROWS)]
 
 
@@ -1094,13 +1101,14 @@ def launch_chunk_kda_backward(
                      use_beta_sigmoid)  # fmt: skip
     # Kept tensors are scratch only when kept with their rows (disable_recompute).
     owns_saved = saved is None or len(saved) == len(SavedForBackward._fields)
+    has_states = saved is not None
     if saved is None:
         saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
                                   lower_bound, layout)  # fmt: skip
     elif not owns_saved:
         saved = _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                               saved, layout)  # fmt: skip
-    aqk, solve, chunk_decay, q_norm, k_norm, unbounded, cum_g, w, u, qg, kd = saved
+    aqk, solve, chunk_decay, q_norm, k_norm, unbounded, chunk_states, cum_g, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_seqs, offsets, n_chunks = layout.n_seqs, layout.chunk_offsets, layout.n_chunks
     block_k, block_v, flags, warps = layout.block_k, layout.block_v, layout.flags, layout.warps
@@ -1120,16 +1128,16 @@ def launch_chunk_kda_backward(
     wy_block_k = min(block_k, 32)
     tokens_shape = (batch, length, value_heads)
 
-    # The chunk states, from kernel 1's w, u, kd (no second run of the forward's
-    # prepare kernel).
-    # States and their gradients in the dot dtype (fp32 inputs keep fp32): every product
-    # takes them in that dtype anyway (only Γ_C's term Σ S ⊙ dS' reads them rounded), and in
-    # fp32 they are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128, written once and
-    # read up to twice by the WY kernel.
-    chunk_states = q.new_empty(n_chunks, value_heads, head_k, head_v)
-    scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, offsets, None,
-                torch.empty(n_seqs, value_heads, head_k, head_v, **f32), chunk_states,
-                precision)  # fmt: skip
+    # The chunk states come from the training forward's recurrence, or, when kernel 1 ran
+    # here, from kernel 1's w, u, kd (no second run of the forward's prepare kernel).
+    # States and their gradients are in the dot dtype (fp32 inputs keep fp32): every
+    # product takes them in that dtype anyway (only Γ_C's term Σ S ⊙ dS' reads them
+    # rounded), and in fp32 they are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128,
+    # written once and read up to twice by the WY kernel.
+    if not has_states:
+        scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, offsets, None,
+                    torch.empty(n_seqs, value_heads, head_k, head_v, **f32), chunk_states,
+                    precision)  # fmt: skip
     del u, chunk_decay
 
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
