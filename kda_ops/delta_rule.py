@@ -580,8 +580,8 @@ def chunk_kda(
             When autograd records the call (CUDA), the forward runs the backward's first
             kernel and keeps its Aqk and T (fp32) and the chunk-start states (q's dtype;
             together about 0.55 GB at B = 1, T = 8192, HV = 64, K = V = 128, bf16), from
-            which and the inputs the backward rebuilds G, w, u, qg, kd with a cumsum and
-            two whole-chunk products; with ``disable_recompute=True`` it keeps those too
+            which and the inputs the backward rebuilds G, w, qg, kd with a cumsum and a
+            whole-chunk product; with ``disable_recompute=True`` it keeps those too
             (about 1.4 GB there) and uses
             them as the backward's scratch, so that graph can be backpropagated once (a
             second backward with ``retain_graph=True`` raises); timings and peaks on an

@@ -18,9 +18,9 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    (``scan_chunks``) then writes the chunk-start states from w, u, kd.
    In training, the forward runs this kernel instead of the inference prepare
    (``launch_chunk_kda_training``) and keeps what the backward needs; by default all but
-   G, w, u, qg, kd (kernel 1 then does not store G), which ``chunk_bwd_recompute_kernel``
-   rebuilds from the inputs and T: the gate's cumsum and two whole-chunk products
-   instead of the block solve.
+   G, w, u, qg, kd (kernel 1 then does not store G), of which ``chunk_bwd_recompute_kernel``
+   rebuilds all but u (read only by the recurrence, whose states are kept) from the inputs
+   and T: the gate's cumsum and a whole-chunk product instead of the block solve.
 2. ``chunk_bwd_state_kernel``, head-parallel (grid: value blocks × sequences × heads).
    Walks the chunks backwards carrying dS (fp32, K × V in registers):
    ``dv_new = Aqkᵀ dO + kd dS'``, ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores
@@ -58,8 +58,8 @@ work): by the training forward, which keeps Aqk and T (fp32; about 0.28 GB at th
 and, with ``disable_recompute``, G, w, u, qg, kd too (about 1.1 GB); by the backward
 itself when nothing was kept (``kda::chunk``'s own autograd, when that op is called
 directly), which then also runs the recurrence for S.
-Rebuilding G and the four rows from the inputs and T costs a cumsum and two products a
-chunk, and writes G (0.27 GB there) in the backward instead of holding it from the
+Rebuilding G, w, qg and kd from the inputs and T costs a cumsum and a product a chunk,
+and writes G (0.27 GB there) in the backward instead of holding it from the
 forward; recomputing Aqk and T costs the whole of kernel 1 (2.2 of a 12.1 ms step at
 that shape, H200). u and v_new are recomputed in kernel 3 (one C × C and one C × K
 product per value block) rather than stored. Kernel 3's first pass hands v_new and dRu
@@ -786,24 +786,24 @@ def chunk_bwd_qk_kernel(
 
 @triton.jit
 def chunk_bwd_recompute_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, solve, q_norm, k_norm,
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, solve, q_norm, k_norm,
     scale, lower_bound, length, n_seqs,
-    cum_g, w, u, qg, kd,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BN: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+    cum_g, w, qg, kd,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """G (fp32) and w, u, qg, kd (input dtype) of chunk i_c and value head i_hv (module
-    docstring; ``[B, T, HV, K or V]``) from the raw inputs and kernel 1's T, without the
-    solve, for key columns block i_s (BK wide) and value columns block i_s (BV wide; the
-    launcher makes them as many, the last ones possibly past K or V, masked): G
-    as the forward's gate activation and a 64-row cumsum (the forward sums by 16-row
-    blocks: the same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` and ``u = T β V`` as two
-    64-row products, ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The
-    l2norm factors are kernel 1's (``q_norm``, ``k_norm``), so that a program needs only
-    its columns; the beta sigmoid is the forward's (``beta_rows``). Each output is stored
-    as soon as it is made, so that few tiles are live at once."""
+    """G (fp32) and w, qg, kd (input dtype) of chunk i_c and value head i_hv (module
+    docstring; ``[B, T, HV, K]``) from the raw inputs and kernel 1's T, without the solve,
+    for key columns block i_s (BK wide, the last possibly past K, masked): G as the
+    forward's gate activation and a 64-row cumsum (the forward sums by 16-row blocks: the
+    same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` as a 64-row product, ``qg = scale Q̂ ⊙
+    Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm factors are kernel 1's
+    (``q_norm``, ``k_norm``), so that a program needs only its columns; the beta sigmoid is
+    the forward's (``beta_rows``). Each output is stored as soon as it is made, so that few
+    tiles are live at once. Not u: only the recurrence reads it, and the training forward
+    keeps that recurrence's chunk states."""
     i_c, i_hv, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -814,9 +814,7 @@ def chunk_bwd_recompute_kernel(
     tokens = start + rows
     rows_in = rows < remaining
     offs_k = i_s * BK + tl.arange(0, BK)
-    offs_v = i_s * BV + tl.arange(0, BV)
     mask_k = rows_in[:, None] & (offs_k < K)[None, :]
-    mask_v = rows_in[:, None] & (offs_v < V)[None, :]
     value_rows = (tokens * HV + i_hv)[:, None]
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
     key_offsets = value_rows * K + offs_k[None, :]
@@ -851,9 +849,6 @@ def chunk_bwd_recompute_kernel(
     r_beta = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
     b_w = tl.dot(t, r_beta[:, None] * r_k * from_start, input_precision=DOT_PRECISION)
     tl.store(w + key_offsets, b_w.to(w.dtype.element_ty), mask=mask_k)
-    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=mask_v, other=0.0)
-    b_u = tl.dot(t, r_beta[:, None] * r_v.to(tl.float32), input_precision=DOT_PRECISION)
-    tl.store(u + value_rows * V + offs_v[None, :], b_u.to(u.dtype.element_ty), mask=mask_v)
 
 
 class SavedForBackward(NamedTuple):
@@ -868,7 +863,7 @@ class SavedForBackward(NamedTuple):
     ran there); then the rows: G fp32 ``[B, T, HV, K]`` (``None``
     when kernel 1 did not store it), w, qg, kd ``[B, T, HV, K]`` in q's dtype and u ``[B,
     T, HV, V]`` in v's, which ``chunk_bwd_recompute_kernel`` rebuilds from the rest and the
-    inputs."""
+    inputs (all but u, which the kept chunk states make unnecessary)."""
 
     aqk: Tensor
     solve: Tensor
@@ -997,28 +992,27 @@ def _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
 def _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                   kept: Sequence[Tensor], layout: _Layout) -> SavedForBackward:  # fmt: skip
     """``SavedForBackward`` from its fields but the rows (``kept``), the rows written by
-    ``chunk_bwd_recompute_kernel`` into fresh tensors (contiguous inputs)."""
+    ``chunk_bwd_recompute_kernel`` into fresh tensors (contiguous inputs). Not u (``None``):
+    only the recurrence reads it, and the kept chunk states are that recurrence's output."""
     batch, length, heads, head_k = q.shape
-    value_heads, head_v = v.shape[2], v.shape[3]
+    value_heads = v.shape[2]
     tokens_shape = (batch, length, value_heads)
     cum_g = q.new_empty(*tokens_shape, head_k, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
-    u = v.new_empty(*tokens_shape, head_v)
     kept = SavedForBackward(*kept, *(None,) * len(ROWS))
     flags = layout.flags
-    splits = max(cdiv(head_k, REBUILD_COLUMNS), cdiv(head_v, REBUILD_COLUMNS))
+    splits = cdiv(head_k, REBUILD_COLUMNS)
     block_k = max(16, next_power_of_2(cdiv(head_k, splits)))  # tl.dot needs dims >= 16
-    block_v = max(16, next_power_of_2(cdiv(head_v, splits)))
     chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads, splits)](
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve,
+        q, k, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve,
         kept.q_norm, kept.k_norm, scale, 0.0 if lower_bound is None else lower_bound, length,
         layout.n_seqs,
-        cum_g, w, u, qg, kd,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        cum_g, w, qg, kd,
+        H=heads, HV=value_heads, K=head_k, BK=block_k,
         BN=next_power_of_2(layout.n_seqs),
         **{name: flags[name] for name in RECOMPUTE_FLAGS}, num_warps=REBUILD_WARPS,
     )  # fmt: skip
-    return kept._replace(cum_g=cum_g, w=w, u=u, qg=qg, kd=kd)
+    return kept._replace(cum_g=cum_g, w=w, qg=qg, kd=kd)
 
 
 def launch_chunk_kda_training(

@@ -83,11 +83,11 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
         )
         for scalar in (False, True)
     },
-    # G, w, u, qg, kd rebuilt from the inputs and kept T: KDA's gate, GDN's scalar one
+    # G, w, qg, kd rebuilt from the inputs and kept T: KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_recompute_kernel/scalar_gate={scalar}": (
             "chunk_backward", "chunk_bwd_recompute_kernel",
-            dict(H=32, HV=32, K=128, V=128, BK=32, BV=32, BN=1, SCALAR_GATE=scalar,
+            dict(H=32, HV=32, K=128, BK=32, BN=1, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
                  USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
                  DOT_PRECISION="tf32"),
@@ -101,7 +101,7 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
              "chunk_offsets": "*i32", "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
-             "unbounded": "*i8", "redo": "*i8", "chunk_states": "*fp32", "dstates": "*fp32",
+             "unbounded": "*i8", "redo": "*i8",
              "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
              "dbeta": "*fp32", "d_aqk_tiles": "*fp32", "d_a_tiles": "*fp32",
              "dbeta_part": "*fp32", "dA_log_part": "*fp32", "ddt_part": "*fp32",
