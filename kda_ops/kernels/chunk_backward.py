@@ -51,11 +51,11 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 Saved versus recomputed: the training forward's recurrence writes the chunk states S (q's
 dtype; 0.27 GB in bf16 at T = 8192, 64 heads, K = V = 128) as it goes, and the forward
 keeps them: running that head-parallel scan again in the backward cost 0.37 ms of a 9.0
-ms step (H200, same shape), where writing them costs one more pass of their bytes.
+ms step, writing them adds 0.09 ms to the forward's (H200, same shape, torch profiler).
 Kernel 1's outputs are made once, not per value block (kernel 2 reads them serially per
 chunk, kernel 3 needs T, and recomputing them per value block would repeat the O(C² K)
 work): by the training forward, which keeps Aqk and T (fp32; about 0.28 GB at that shape)
-and, with ``disable_recompute``, G, w, u, qg, kd too (about 1.1 GB); by the backward
+and, with ``disable_recompute``, G, w, u, qg, kd too (1.4 GB with the states); by the backward
 itself when nothing was kept (``kda::chunk``'s own autograd, when that op is called
 directly), which then also runs the recurrence for S.
 Rebuilding G, w, qg and kd from the inputs and T costs a cumsum and a product a chunk,
