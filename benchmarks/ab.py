@@ -1,7 +1,8 @@
 """A/B timing of kernel changes: one chunk_kda training step (forward + backward of every
-input; gate, beta sigmoid and l2norm in the kernel; random gate parameters) timed from
-several source trees, each in a process of its own, in rounds of alternating order, and
-every tree's gradients compared with the first tree's. Ours only: FLA's time moves by
+input; gate, beta sigmoid and l2norm in the kernel; random gate parameters), or with
+``--forward`` the inference forward, timed from several source trees, each in a process
+of its own, in rounds of alternating order, and every tree's gradients (or outputs)
+compared with the first tree's. Ours only: FLA's time moves by
 several percent between machines (``benchmarks/README.md``), while trees timed one after
 another on one GPU compare with each other.
 
@@ -13,9 +14,9 @@ of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
 ``main:chunk_backward.WY_WARPS=8``.
 
 Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk_backward.WY_WARPS=8
-[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]``. Without a
-GPU it runs the kernels in Triton's interpreter (small shapes only: ``--length 128
---heads 2 --dim 16``), which checks the plumbing, not the speed.
+[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]
+[--forward]``. Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small
+shapes: ``--length 128 --heads 2 --dim 16``), which checks the plumbing, not the kernels.
 """
 
 import argparse
@@ -23,7 +24,6 @@ import ast
 import importlib
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
             raise AttributeError(f"kda_ops.kernels.{module_name} has no {constant}")
         setattr(module, constant, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: fp32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -94,6 +94,9 @@ def worker(args: argparse.Namespace) -> None:
     grad_o = rand(1, t, h, d).to(dtype)
 
     def step():
+        if args.forward:
+            with torch.no_grad():
+                return kda_ops.chunk_kda(**x, **options, output_final_state=True)
         o, _ = kda_ops.chunk_kda(**x, **options)
         return torch.autograd.grad(o, leaves, grad_o)
 
@@ -119,6 +122,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
     parser.add_argument("--disable-recompute", action="store_true")
+    parser.add_argument("--forward", action="store_true", help="the inference forward alone")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
@@ -131,9 +135,8 @@ def main() -> None:
         parser.error("name at least one tree")
     shape = ["--heads", str(args.heads), "--length", str(args.length), "--dim", str(args.dim)]
     shape += ["--softplus"] * args.softplus + ["--disable-recompute"] * args.disable_recompute
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
+    shape += ["--forward"] * args.forward
+    names = ("o", "final_state") if args.forward else GRADIENTS
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         trees = [parse_tree(spec) for spec in args.trees]
@@ -146,14 +149,15 @@ def main() -> None:
                 command = [sys.executable, __file__, "--worker", "--tree", str(dirs[ref]),
                            "--settings", json.dumps(settings),
                            "--grads", str(scratch / f"grads_{index}.pt"), *shape]  # fmt: skip
-                result = subprocess.run(command, env=env, capture_output=True, text=True)
+                result = subprocess.run(command, capture_output=True, text=True)
                 if result.returncode != 0:
                     raise RuntimeError(f"{args.trees[index]} failed:\n{result.stderr[-4000:]}")
                 times[index].append(json.loads(result.stdout.splitlines()[-1])["ms"])
                 print(f"round {round_ + 1}: {args.trees[index]} {times[index][-1] * 1e3:.1f} µs",
                       flush=True)  # fmt: skip
         first = torch.load(scratch / "grads_0.pt")
-        print("\n| tree | µs a step, by round | vs first | gradients vs first (rel.) |")
+        compared = "outputs" if args.forward else "gradients"
+        print(f"\n| tree | µs a step, by round | vs first | {compared} vs first (rel.) |")
         print("| --- | --- | ---: | --- |")
         base = statistics.median(times[0])
         for index, spec in enumerate(args.trees):
@@ -161,7 +165,7 @@ def main() -> None:
             errors = [relative_error(a, b) for a, b in zip(got, first)]
             spread = ", ".join(f"{ms * 1e3:.1f}" for ms in times[index])
             ratio = statistics.median(times[index]) / base
-            grads = " ".join(f"{n} {e:.1e}" for n, e in zip(GRADIENTS, errors))
+            grads = " ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))
             print(f"| {spec} | {spread} | {ratio:.3f} | {grads} |")
 
 
