@@ -951,6 +951,9 @@ def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> Sav
         q_norm=q.new_empty(*tokens, **f32),
         k_norm=q.new_empty(*tokens, **f32),
         unbounded=q.new_empty(n_chunks, value_heads, dtype=torch.int8),
+        # In the dot dtype (fp32 inputs keep fp32): every backward product takes the
+        # states and their gradients in it anyway (only Γ_C's term Σ S ⊙ dS' reads them
+        # rounded); in fp32 the two are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128.
         chunk_states=q.new_empty(n_chunks, value_heads, head_k, head_v),
         cum_g=q.new_empty(*tokens, head_k, **f32) if with_g else None,
         w=q.new_empty(*tokens, head_k),
@@ -1015,6 +1018,16 @@ def _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bou
     return kept._replace(cum_g=cum_g, w=w, qg=qg, kd=kd)
 
 
+def _scan_saved(saved: SavedForBackward, initial_state: Optional[Tensor],
+                cu_seqlens: Optional[Tensor], layout: _Layout, o: Optional[Tensor],
+                final_state: Tensor) -> None:  # fmt: skip
+    """The forward's recurrence over kernel 1's outputs: fills ``saved.chunk_states`` and
+    ``final_state``, and ``o`` when given."""
+    scan_chunks((saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.chunk_decay),
+                initial_state, cu_seqlens, layout.chunk_offsets, o, final_state,
+                saved.chunk_states, layout.flags["DOT_PRECISION"])  # fmt: skip
+
+
 def launch_chunk_kda_training(
     q: Tensor,
     k: Tensor,
@@ -1046,9 +1059,7 @@ def launch_chunk_kda_training(
     o = torch.empty_like(v)
     final_state = q.new_empty(layout.n_seqs, v.shape[2], q.shape[3], v.shape[3],
                               dtype=torch.float32)  # fmt: skip
-    scan_chunks((saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.chunk_decay),
-                initial_state, cu_seqlens, layout.chunk_offsets, o, final_state,
-                saved.chunk_states, layout.flags["DOT_PRECISION"])  # fmt: skip
+    _scan_saved(saved, initial_state, cu_seqlens, layout, o, final_state)
     return o, final_state, saved if keep_rows else saved[: -len(ROWS)]
 
 
@@ -1095,10 +1106,12 @@ def launch_chunk_kda_backward(
                      use_beta_sigmoid)  # fmt: skip
     # Kept tensors are scratch only when kept with their rows (disable_recompute).
     owns_saved = saved is None or len(saved) == len(SavedForBackward._fields)
-    has_states = saved is not None
-    if saved is None:
+    if saved is None:  # nothing kept: kernel 1 and the recurrence for the chunk states here
         saved = _prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
                                   lower_bound, layout)  # fmt: skip
+        final_state = q.new_empty(layout.n_seqs, value_heads, head_k, head_v,
+                                  dtype=torch.float32)  # fmt: skip
+        _scan_saved(saved, initial_state, cu_seqlens, layout, None, final_state)
     elif not owns_saved:
         saved = _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
                               saved, layout)  # fmt: skip
@@ -1122,16 +1135,6 @@ def launch_chunk_kda_backward(
     wy_block_k = min(block_k, 32)
     tokens_shape = (batch, length, value_heads)
 
-    # The chunk states come from the training forward's recurrence, or, when kernel 1 ran
-    # here, from kernel 1's w, u, kd (no second run of the forward's prepare kernel).
-    # States and their gradients are in the dot dtype (fp32 inputs keep fp32): every
-    # product takes them in that dtype anyway (only Γ_C's term Σ S ⊙ dS' reads them
-    # rounded), and in fp32 they are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128,
-    # written once and read up to twice by the WY kernel.
-    if not has_states:
-        scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, offsets, None,
-                    torch.empty(n_seqs, value_heads, head_k, head_v, **f32), chunk_states,
-                    precision)  # fmt: skip
     del u, chunk_decay
 
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
