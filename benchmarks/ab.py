@@ -64,7 +64,8 @@ def materialise(ref: str, into: Path) -> Path:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Times the step from ``args.tree`` and saves its gradients; prints JSON."""
+    """Times the step from ``args.tree`` and saves its gradients (with ``--forward``, its
+    outputs); prints JSON."""
     sys.path.insert(0, args.tree)
     import kda_ops
 
@@ -100,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
         o, _ = kda_ops.chunk_kda(**x, **options)
         return torch.autograd.grad(o, leaves, grad_o)
 
-    torch.save([grad.float().cpu() for grad in step()], args.grads)
+    torch.save([result.float().cpu() for result in step()], args.grads)
     if device == "cuda":
         ms = time_ms(step)
     else:
