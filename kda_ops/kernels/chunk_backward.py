@@ -461,9 +461,11 @@ def chunk_bwd_wy_kernel(
     rows, per value head), dG (all three fp32 ``[B, T, HV, K]``) and dbeta (fp32
     ``[B, T, HV]``), dA into ``d_a_tiles`` and scale·dAqk into ``d_aqk_tiles`` (both
     ``[C, C]`` fp32 a chunk, zero above the diagonal, strictly lower for dA; they may be
-    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read), and
-    both again in the dot dtype into ``d_a_low`` / ``d_aqk_low`` (the pairs kernel's
-    off-diagonal tiles)."""
+    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read) and,
+    when given, both again in the dot dtype into ``d_a_low`` / ``d_aqk_low`` (the pairs
+    kernel's off-diagonal tiles; dA's fp32 buffer then gets only its diagonal 16 × 16
+    tiles. Masking scale·dAqk's store as well, before pass 2, costs spills: sm_90, Triton
+    3.6, 4 warps, 72 → 120 bytes of stack)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -517,7 +519,8 @@ def chunk_bwd_wy_kernel(
     tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
     tl.store(d_aqk_tiles + square + in_square, d_aqk)
-    tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
+    if d_aqk_low is not None:
+        tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
@@ -571,8 +574,12 @@ def chunk_bwd_wy_kernel(
         tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
-    tl.store(d_a_tiles + square + in_square, d_a)
-    tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
+    if d_a_low is None:
+        tl.store(d_a_tiles + square + in_square, d_a)
+    else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
+        diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
+        tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
+        tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
 
 
 @triton.jit
@@ -1164,9 +1171,10 @@ def launch_chunk_kda_backward(
     else:
         d_a_tiles, d_aqk_tiles = torch.empty_like(solve), torch.empty_like(aqk)
     # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
-    # loaded up front (they enter its dots in that dtype anyway).
+    # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
+    # pairs kernel reads every tile from the fp32 buffers.
     if q.dtype == torch.float32:
-        d_a_low, d_aqk_low = d_a_tiles, d_aqk_tiles
+        d_a_low = d_aqk_low = None
     else:
         d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
@@ -1205,7 +1213,8 @@ def launch_chunk_kda_backward(
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * 4 * n_k, value_heads)](
             q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-            d_aqk_low, d_a_low, unbounded, length, n_seqs,
+            d_aqk_tiles if d_aqk_low is None else d_aqk_low,
+            d_a_tiles if d_a_low is None else d_a_low, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
             **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4, num_stages=1,
         )  # fmt: skip
