@@ -332,11 +332,10 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
     <= 1)."""
     dot_dtype = col_w.dtype
     gap = fast_exp(decay_before - col_decay_after)[None, :]
-    col = tl.trans(col_k_out.to(dot_dtype))
-    a_qk = tl.dot((q_in * gap).to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
+    col = tl.trans((col_k_out * gap).to(dot_dtype))
+    a_qk = tl.dot(q_in.to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
     tl.store(aqk + tile_offsets, a_qk.to(aqk.dtype.element_ty))
-    a_kk = r_beta[:, None] * tl.dot((k_in * gap).to(dot_dtype), col,
-                                    input_precision=DOT_PRECISION)  # fmt: skip
+    a_kk = r_beta[:, None] * tl.dot(k_in.to(dot_dtype), col, input_precision=DOT_PRECISION)
     if solve is not None:  # for T (_store_inverse), read back there
         tl.store(solve + tile_offsets, a_kk)
     a_kk = a_kk.to(dot_dtype)
