@@ -313,7 +313,10 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
 
-    k_out = r_k * fast_exp(block_decay[None, :] - local)
+    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block, whose exponentials these are
+        k_out = r_k * fast_exp(-local) * fast_exp(block_decay)[None, :]
+    else:
+        k_out = r_k * fast_exp(block_decay[None, :] - local)
     to_chunk_start = fast_exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
     rhs_u = r_beta[:, None] * r_v
