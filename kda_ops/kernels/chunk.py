@@ -345,9 +345,9 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
     a_kk = r_beta[:, None] * tl.dot(k_in.to(dot_dtype), col, input_precision=DOT_PRECISION)
     if solve is not None:  # for T (_store_inverse), read back there
         tl.store(solve + tile_offsets, a_kk)
-    a_kk = a_kk.to(dot_dtype)
-    rhs_w -= tl.dot(a_kk, col_w, input_precision=DOT_PRECISION)
-    rhs_u -= tl.dot(a_kk, col_u, input_precision=DOT_PRECISION)
+    minus_a = (-a_kk).to(dot_dtype)
+    rhs_w = tl.dot(minus_a, col_w, acc=rhs_w, input_precision=DOT_PRECISION)
+    rhs_u = tl.dot(minus_a, col_u, acc=rhs_u, input_precision=DOT_PRECISION)
     return rhs_w, rhs_u
 
 
