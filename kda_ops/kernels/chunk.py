@@ -313,7 +313,10 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
 
-    k_out = r_k * fast_exp(block_decay[None, :] - local)
+    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block, whose exponentials these are
+        k_out = r_k * fast_exp(-local) * fast_exp(block_decay)[None, :]
+    else:
+        k_out = r_k * fast_exp(block_decay[None, :] - local)
     to_chunk_start = fast_exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
     rhs_u = r_beta[:, None] * r_v
@@ -324,24 +327,27 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
 @triton.jit
 def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
                rhs_w, rhs_u, aqk, solve, tile_offsets, scale,
-               DOT_PRECISION: tl.constexpr):  # fmt: skip
+               DOT_PRECISION: tl.constexpr, ADJACENT: tl.constexpr):  # fmt: skip
     """Couples a row block to an earlier, solved column block: stores their Aqk tile (at
     ``aqk + tile_offsets``; A_ij's at ``solve + tile_offsets`` when given) and subtracts
     ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns. The gap
-    between the column block's end and the row block's start decays both sides (factor
-    <= 1)."""
+    between the column block's end and the row block's start decays the column side
+    (factor <= 1), which both products share; ``ADJACENT``: the column block is the one
+    just before, no gap."""
     dot_dtype = col_w.dtype
-    gap = fast_exp(decay_before - col_decay_after)[None, :]
-    col = tl.trans(col_k_out.to(dot_dtype))
-    a_qk = tl.dot((q_in * gap).to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
+    if ADJACENT:
+        col = tl.trans(col_k_out.to(dot_dtype))
+    else:
+        gap = fast_exp(decay_before - col_decay_after)[None, :]
+        col = tl.trans((col_k_out * gap).to(dot_dtype))
+    a_qk = tl.dot(q_in.to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
     tl.store(aqk + tile_offsets, a_qk.to(aqk.dtype.element_ty))
-    a_kk = r_beta[:, None] * tl.dot((k_in * gap).to(dot_dtype), col,
-                                    input_precision=DOT_PRECISION)  # fmt: skip
+    a_kk = r_beta[:, None] * tl.dot(k_in.to(dot_dtype), col, input_precision=DOT_PRECISION)
     if solve is not None:  # for T (_store_inverse), read back there
         tl.store(solve + tile_offsets, a_kk)
-    a_kk = a_kk.to(dot_dtype)
-    rhs_w -= tl.dot(a_kk, col_w, input_precision=DOT_PRECISION)
-    rhs_u -= tl.dot(a_kk, col_u, input_precision=DOT_PRECISION)
+    minus_a = (-a_kk).to(dot_dtype)
+    rhs_w = tl.dot(minus_a, col_w, acc=rhs_w, input_precision=DOT_PRECISION)
+    rhs_u = tl.dot(minus_a, col_u, acc=rhs_u, input_precision=DOT_PRECISION)
     return rhs_w, rhs_u
 
 
@@ -545,7 +551,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     t11 = inverse_unit_lower(a1)
     rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
                                 rhs_w1, rhs_u1, aqk, solve, square + tile, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, True)
     w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
@@ -557,10 +563,10 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     t22 = inverse_unit_lower(a2)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
                                 rhs_w2, rhs_u2, aqk, solve, square + 2 * tile, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, False)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
                                 rhs_w2, rhs_u2, aqk, solve, square + 2 * tile + BLOCK, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, True)
     w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
@@ -572,13 +578,13 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     t33 = inverse_unit_lower(a3)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
                                 rhs_w3, rhs_u3, aqk, solve, square + 3 * tile, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, False)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
                                 rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + BLOCK, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, False)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
                                 rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + 2 * BLOCK, scale,
-                                DOT_PRECISION)
+                                DOT_PRECISION, True)
     _solve_block(t33, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
                  mask_v, HV, K, V, DOT_PRECISION)
 
