@@ -892,11 +892,21 @@ RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", 
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
 GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
-# chunk_bwd_recompute_kernel's columns a program (key and value) and warps. sm_90, Triton
-# 3.9, K = V = 128: 32 columns at 4 warps 91 registers (five programs an SM); 64 at 8
-# warps 82 (three), at 4 warps 140; all 128 in one program 141 (one). H200, T = 8192,
-# H = 64, a training step: 9.88 ms at 64 / 8, 9.78 at 32 / 4.
-REBUILD_COLUMNS, REBUILD_WARPS = 32, 4
+# chunk_bwd_recompute_kernel's key columns a program and warps. H200, T = 8192, H = 64,
+# bf16 (Triton 3.6; sm_90 registers a thread): 64 columns at 2 warps 561 µs a launch (255
+# registers, 16 bytes of stack), at 4 warps 608 (147), at 8 777; 32 columns at 2 / 4 / 8
+# warps 664 / 697 (103 registers) / 822; 128 at 4 warps 787.
+REBUILD_COLUMNS, REBUILD_WARPS = 64, 2
+
+
+# Key columns a program of the pairs kernel on CUDA: 64 (sm_90, Triton 3.9, 4 warps: 245
+# registers, no spills, two programs an SM; at 32 columns 155 and three, but each program
+# reloads the pair tiles and the row norms for half the work: H200, T = 8192, H = 64, a
+# training step 9.88 -> 9.51 ms). The gate kernel's columns and warps: H200, same shape,
+# Triton 3.6, µs a launch: 32 columns at 1 / 2 / 4 warps 203 / 215 / 258; 64 at 2 / 4
+# 249 / 236; 128 at 4 302.
+PAIRS_COLUMNS = 64
+GATE_COLUMNS, GATE_WARPS = 32, 1
 
 
 class _Layout(NamedTuple):
@@ -1195,33 +1205,35 @@ def launch_chunk_kda_backward(
     # Freed before the pairs and l2norm kernels allocate theirs: the peak stays at this one.
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
 
-    # The pairs kernel splits the key columns (N_K blocks): the sums over them (dβ, the
-    # scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back as shares.
-    pair_k = pairs_key_columns(block_k, q.device)
-    n_k = cdiv(head_k, pair_k)
+    # The pairs and the gate kernels split the key columns (each its N_K blocks): the sums
+    # over them (dβ; the scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back
+    # as shares.
+    pair_k, gate_k = (key_columns(block_k, columns, q.device)
+                      for columns in (PAIRS_COLUMNS, GATE_COLUMNS))  # fmt: skip
+    n_pair_k, n_gate_k = cdiv(head_k, pair_k), cdiv(head_k, gate_k)
     scalar_gate = g.dim() == 3
-    dg = torch.empty(*tokens_shape, n_k, **f32) if scalar_gate else torch.empty_like(g)
-    dbeta_part = torch.empty(*tokens_shape, n_k, **f32)
+    dg = torch.empty(*tokens_shape, n_gate_k, **f32) if scalar_gate else torch.empty_like(g)
+    dbeta_part = torch.empty(*tokens_shape, n_pair_k, **f32)
     # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
-    dA_log_part = torch.zeros(n_chunks, value_heads, n_k, **f32)
-    ddt_part = torch.zeros(n_chunks, value_heads, n_k if scalar_gate else head_k, **f32)
+    dA_log_part = torch.zeros(n_chunks, value_heads, n_gate_k, **f32)
+    ddt_part = torch.zeros(n_chunks, value_heads, n_gate_k if scalar_gate else head_k, **f32)
     if flags["SAFE_GATE"]:
         pair_passes, unbounded = ("all",), None
     else:
         pair_passes = ("bounded", "unbounded")
     pair_flags = {name: flags[name] for name in PAIRS_FLAGS}
     for chunks in pair_passes:
-        chunk_bwd_pairs_kernel[(n_chunks * 4 * n_k, value_heads)](
+        chunk_bwd_pairs_kernel[(n_chunks * 4 * n_pair_k, value_heads)](
             q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
             d_aqk_tiles if d_aqk_low is None else d_aqk_low,
             d_a_tiles if d_a_low is None else d_a_low, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
             **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4, num_stages=1,
         )  # fmt: skip
-    chunk_bwd_gate_kernel[(n_chunks * n_k, value_heads)](
+    chunk_bwd_gate_kernel[(n_chunks * n_gate_k, value_heads)](
         g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
-        HV=value_heads, K=head_k, BK=pair_k, BN=shape["BN"], CHUNK=CHUNK,
-        **{name: flags[name] for name in GATE_FLAGS}, num_warps=4,
+        HV=value_heads, K=head_k, BK=gate_k, BN=shape["BN"], CHUNK=CHUNK,
+        **{name: flags[name] for name in GATE_FLAGS}, num_warps=GATE_WARPS,
     )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
@@ -1247,10 +1259,8 @@ def launch_chunk_kda_backward(
     return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
 
 
-def pairs_key_columns(block_k: int, device: torch.device) -> int:
-    """Key columns per program of ``chunk_bwd_pairs_kernel``: 64 on CUDA (sm_90, Triton
-    3.9, 4 warps: 245 registers, no spills, two programs an SM; at 32 columns 155 and
-    three, but each program reloads the pair tiles and the row norms for half the work:
-    H200, T = 8192, H = 64, a training step 9.88 -> 9.51 ms); off CUDA (the interpreter)
-    16, so that CI covers several column blocks."""
-    return min(block_k, 64 if device.type == "cuda" else 16)
+def key_columns(block_k: int, columns: int, device: torch.device) -> int:
+    """Key columns a program of a kernel split over them (``PAIRS_COLUMNS``,
+    ``GATE_COLUMNS``): ``columns`` on CUDA; off CUDA (the interpreter) 16, so that CI
+    covers several column blocks."""
+    return min(block_k, columns if device.type == "cuda" else 16)
