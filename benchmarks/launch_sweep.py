@@ -1,0 +1,146 @@
+"""Launch-size sweeps of the chunk backward's kernels whose sizes the launcher picks (key or
+value columns a program, warps, pipeline stages): each kernel launched alone on random
+inputs shaped as a training step's (B = 1, T = 8192, D = 128, bf16, safe gate -5, l2norm
+and beta sigmoid in the kernel), µs a launch as the mean of ``triton.testing.do_bench``
+(50 ms warm-up, 300 ms of runs). Ours only: these pick launch constants in
+``kda_ops/kernels/chunk_backward.py``; ``ab.py`` then times the whole step.
+
+Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [rebuild
+gate pairs state]``.
+"""
+
+import argparse
+import itertools
+from functools import partial
+
+import torch
+from triton.testing import do_bench
+
+from kda_ops.kernels import chunk_backward as bwd
+from kda_ops.kernels.chunk import CHUNK, prepare_flags
+
+LOWER_BOUND = -5.0
+DIM = 128
+
+
+def launch_us(launch) -> float:
+    return 1000 * do_bench(launch, warmup=50, rep=300)
+
+
+class Inputs:
+    """Random tensors shaped as one training step's, and the launcher's flags for them."""
+
+    def __init__(self, length: int, heads: int):
+        torch.manual_seed(0)
+        self.length, self.heads, self.chunks = length, heads, length // CHUNK
+        rows = (1, length, heads, DIM)
+        self.q, self.k, self.g = (torch.randn(rows, device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(3))  # fmt: skip
+        self.beta = torch.randn(1, length, heads, device="cuda", dtype=torch.bfloat16)
+        self.A_log = torch.zeros(heads, device="cuda")
+        self.dt_bias = torch.zeros(heads * DIM, device="cuda")
+        self.flags = prepare_flags(self.q, self.g, self.A_log, self.dt_bias, None, LOWER_BOUND,
+                                   True, True)  # fmt: skip
+
+    def f32(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda") * scale
+
+    def flags_of(self, names) -> dict:
+        return {name: self.flags[name] for name in names}
+
+    def tiles(self) -> torch.Tensor:
+        """A ``[chunks, H, 64, 64]`` fp32 tile per chunk and head (T, dA, Aqk)."""
+        return self.f32(self.chunks, self.heads, CHUNK, CHUNK, scale=0.01)
+
+    def cumulative_gate(self) -> torch.Tensor:
+        """A decreasing in-chunk cumsum of gates in [-0.5, 0], fp32 ``[1, T, H, D]``."""
+        steps = torch.rand(1, self.chunks, CHUNK, self.heads, DIM, device="cuda") * 0.5
+        return -steps.cumsum(2).reshape(1, self.length, self.heads, DIM)
+
+
+def sweep_rebuild(x: Inputs):
+    solve = x.tiles()
+    q_norm, k_norm = (torch.rand(1, x.length, x.heads, device="cuda") + 0.5 for _ in range(2))
+    cum_g = torch.empty(1, x.length, x.heads, DIM, device="cuda")
+    w, qg, kd = (torch.empty_like(x.q) for _ in range(3))
+    for columns, warps in itertools.product((32, 64, 128), (2, 4, 8)):
+        grid = (x.chunks, x.heads, DIM // columns)
+        yield f"rebuild, {columns} columns, {warps} warps", partial(
+            bwd.chunk_bwd_recompute_kernel[grid],
+            x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, None, None, solve, q_norm, k_norm,
+            DIM**-0.5, LOWER_BOUND, x.length, 1, cum_g, w, qg, kd, H=x.heads, HV=x.heads,
+            K=DIM, BK=columns, BN=1, **x.flags_of(bwd.RECOMPUTE_FLAGS), num_warps=warps,
+        )  # fmt: skip
+
+
+def sweep_gate(x: Inputs):
+    d_cum = x.f32(1, x.length, x.heads, DIM)
+    dg = torch.empty_like(x.g)
+    for columns, warps in itertools.product((16, 32, 64, 128), (1, 2, 4)):
+        shares = DIM // columns
+        dA_log_part = torch.zeros(x.chunks, x.heads, shares, device="cuda")
+        ddt_part = torch.zeros(x.chunks, x.heads, DIM, device="cuda")
+        grid = (x.chunks * shares, x.heads)
+        yield f"gate, {columns} columns, {warps} warps", partial(
+            bwd.chunk_bwd_gate_kernel[grid],
+            x.g, x.A_log, x.dt_bias, None, None, d_cum, LOWER_BOUND, x.length, 1, dg,
+            dA_log_part, ddt_part, HV=x.heads, K=DIM, BK=columns, BN=1, CHUNK=CHUNK,
+            **x.flags_of(bwd.GATE_FLAGS), num_warps=warps,
+        )  # fmt: skip
+
+
+def sweep_pairs(x: Inputs):
+    cum_g = x.cumulative_gate()
+    q_norm, k_norm = (torch.rand(1, x.length, x.heads, device="cuda") + 0.5 for _ in range(2))
+    d_aqk, d_a = x.tiles(), x.tiles()
+    d_aqk_low, d_a_low = d_aqk.to(torch.bfloat16), d_a.to(torch.bfloat16)
+    rows = [x.f32(1, x.length, x.heads, DIM) for _ in range(3)]
+    for columns, warps, stages in itertools.product((32, 64), (4, 8), (1, 2)):
+        dbeta_part = torch.empty(1, x.length, x.heads, DIM // columns, device="cuda")
+        grid = (x.chunks * 4 * (DIM // columns), x.heads)
+        yield f"pairs, {columns} columns, {warps} warps, {stages} stages", partial(
+            bwd.chunk_bwd_pairs_kernel[grid],
+            x.q, x.k, x.beta, None, None, cum_g, q_norm, k_norm, d_aqk, d_a, d_aqk_low,
+            d_a_low, None, x.length, 1, *rows, dbeta_part, H=x.heads, HV=x.heads, K=DIM,
+            BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **x.flags_of(bwd.PAIRS_FLAGS),
+            CHUNKS="all", num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+
+def sweep_state(x: Inputs):
+    w, qg, kd, grad_o = (0.1 * torch.randn_like(x.q) for _ in range(4))
+    aqk, cum_g = x.tiles(), x.cumulative_gate()
+    grad_final = torch.zeros(1, x.heads, DIM, DIM, device="cuda")
+    dv_new = torch.empty(1, x.length, x.heads, DIM, device="cuda")
+    dstates = torch.empty(x.chunks, x.heads, DIM, DIM, device="cuda", dtype=torch.bfloat16)
+    for columns, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (1, 2)):
+        grid = (DIM // columns, x.heads)
+        yield f"dS scan, {columns} value columns, {warps} warps, {stages} stages", partial(
+            bwd.chunk_bwd_state_kernel[grid],
+            w, qg, kd, aqk, cum_g, grad_o, grad_final, None, None, x.length, dv_new,
+            dstates, None, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=columns, CHUNK=CHUNK,
+            HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+
+SWEEPS = {"rebuild": sweep_rebuild, "gate": sweep_gate, "pairs": sweep_pairs,
+          "state": sweep_state}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kernels", nargs="*", choices=list(SWEEPS), help="default: all")
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+    args = parser.parse_args()
+    x = Inputs(args.length, args.heads)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
+          f"H={args.heads} D={DIM} bf16\n\n| launch | µs |\n| --- | ---: |")  # fmt: skip
+    for name in args.kernels or SWEEPS:
+        for case, launch in SWEEPS[name](x):
+            print(f"| {case} | {launch_us(launch):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
