@@ -5,8 +5,8 @@ and beta sigmoid in the kernel), µs a launch as the mean of ``triton.testing.do
 (50 ms warm-up, 300 ms of runs). Ours only: these pick launch constants in
 ``kda_ops/kernels/chunk_backward.py``; ``ab.py`` then times the whole step.
 
-Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [rebuild
-gate pairs state]``.
+Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [prepare
+wy rebuild gate pairs state]``.
 """
 
 import argparse
@@ -124,8 +124,51 @@ def sweep_state(x: Inputs):
         )  # fmt: skip
 
 
-SWEEPS = {"rebuild": sweep_rebuild, "gate": sweep_gate, "pairs": sweep_pairs,
-          "state": sweep_state}  # fmt: skip
+def sweep_prepare(x: Inputs):
+    """Kernel 1 as the training forward launches it (no G stored)."""
+    v = torch.randn_like(x.q)
+    w, u, qg, kd = (torch.empty_like(x.q) for _ in range(4))
+    aqk, solve = x.tiles(), x.tiles()
+    chunk_decay = torch.empty(x.chunks, x.heads, DIM, device="cuda")
+    q_norm, k_norm = (torch.empty(1, x.length, x.heads, device="cuda") for _ in range(2))
+    for warps in (4, 8, 16):
+        yield f"kernel 1, {warps} warps", partial(
+            bwd.chunk_bwd_prepare_kernel[(x.chunks, x.heads)],
+            x.q, x.k, v, x.g, x.beta, x.A_log, x.dt_bias, None, None, DIM**-0.5, LOWER_BOUND,
+            x.length, 1, None, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, None,
+            None, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM, BN=1, **x.flags,
+            CHUNKS="all", num_warps=warps,
+        )  # fmt: skip
+
+
+def sweep_wy(x: Inputs):
+    v, w, grad_o, v_new_rows, d_ru_rows, dv = (0.1 * torch.randn_like(x.q) for _ in range(6))
+    cum_g = x.cumulative_gate()
+    q_norm, k_norm = (torch.rand(1, x.length, x.heads, device="cuda") + 0.5 for _ in range(2))
+    states, dstates = (0.1 * torch.randn(x.chunks, x.heads, DIM, DIM, device="cuda",
+                                         dtype=torch.bfloat16) for _ in range(2))  # fmt: skip
+    dv_new = x.f32(1, x.length, x.heads, DIM)
+    solve, d_aqk, d_a = x.tiles(), x.tiles(), x.tiles()
+    d_aqk_low, d_a_low = (torch.empty_like(solve, dtype=torch.bfloat16) for _ in range(2))
+    rows = [torch.empty(1, x.length, x.heads, DIM, device="cuda") for _ in range(3)]
+    dbeta = torch.empty(1, x.length, x.heads, device="cuda")
+    sizes = [(value_step, key_step, 4, 2) for value_step in (16, 32, 64)
+             for key_step in (16, 32, 64)] + [(32, 32, 8, 2), (32, 32, 4, 1)]  # fmt: skip
+    for value_step, key_step, warps, stages in sizes:
+        case = f"WY, value step {value_step}, key step {key_step}, {warps} warps, {stages} stages"
+        yield case, partial(
+            bwd.chunk_bwd_wy_kernel[(x.chunks, x.heads)],
+            x.q, x.k, v, x.beta, None, None, cum_g, q_norm, k_norm, w, states, dstates, grad_o,
+            dv_new, DIM**-0.5, x.length, 1, solve, d_aqk, d_a, d_aqk_low, d_a_low, v_new_rows,
+            d_ru_rows, *rows, dv, dbeta, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM,
+            BV_STEP=value_step, BK_STEP=key_step, BN=1, CHUNK=CHUNK, USE_L2NORM=True,
+            USE_BETA_SIGMOID=True, IS_VARLEN=False, DOT_PRECISION="tf32", num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+
+
+SWEEPS = {"prepare": sweep_prepare, "wy": sweep_wy, "rebuild": sweep_rebuild,
+          "gate": sweep_gate, "pairs": sweep_pairs, "state": sweep_state}  # fmt: skip
 
 
 def main() -> None:
