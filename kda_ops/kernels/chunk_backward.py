@@ -893,9 +893,10 @@ RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", 
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
 GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
 # chunk_bwd_recompute_kernel's key columns a program and warps. H200, T = 8192, H = 64,
-# bf16 (Triton 3.6; sm_90 registers a thread): 64 columns at 2 warps 561 µs a launch (255
-# registers, 16 bytes of stack), at 4 warps 608 (147), at 8 777; 32 columns at 2 / 4 / 8
-# warps 664 / 697 (103 registers) / 822; 128 at 4 warps 787.
+# bf16, µs a launch (``benchmarks/launch_sweep.py``; Triton 3.6, sm_90 registers a
+# thread): 64 columns at 2 warps 561 (255 registers, 16 bytes of stack), at 4 warps 608
+# (147), at 8 777; 32 columns at 2 / 4 / 8 warps 664 / 697 (103 registers) / 822; 128 at
+# 4 warps 787.
 REBUILD_COLUMNS, REBUILD_WARPS = 64, 2
 
 
@@ -903,8 +904,8 @@ REBUILD_COLUMNS, REBUILD_WARPS = 64, 2
 # registers, no spills, two programs an SM; at 32 columns 155 and three, but each program
 # reloads the pair tiles and the row norms for half the work: H200, T = 8192, H = 64, a
 # training step 9.88 -> 9.51 ms). The gate kernel's columns and warps: H200, same shape,
-# Triton 3.6, µs a launch: 32 columns at 1 / 2 / 4 warps 203 / 215 / 258; 64 at 2 / 4
-# 249 / 236; 128 at 4 302.
+# Triton 3.6, µs a launch (``launch_sweep.py``): 32 columns at 1 / 2 / 4 warps 203 / 215 /
+# 258; 16 at 1 warp 220; 64 at 2 / 4 249 / 236; 128 at 4 302.
 PAIRS_COLUMNS = 64
 GATE_COLUMNS, GATE_WARPS = 32, 1
 
@@ -1206,8 +1207,8 @@ def launch_chunk_kda_backward(
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
 
     # The pairs and the gate kernels split the key columns (each its N_K blocks): the sums
-    # over them (dβ; the scalar gate's dg, dA_log, d dt_bias of the scalar gate) come back
-    # as shares.
+    # over them come back as shares (the pairs kernel's dβ; the gate kernel's dA_log and,
+    # for the scalar gate, its dg and d dt_bias).
     pair_k, gate_k = (key_columns(block_k, columns, q.device)
                       for columns in (PAIRS_COLUMNS, GATE_COLUMNS))  # fmt: skip
     n_pair_k, n_gate_k = cdiv(head_k, pair_k), cdiv(head_k, gate_k)
