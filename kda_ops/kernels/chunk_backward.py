@@ -751,13 +751,18 @@ def chunk_bwd_gate_kernel(
     rows = tl.arange(0, CHUNK)
     tokens = start + rows
     rows_in = rows < remaining
-    if i_k == 0:
-        _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV, N_SHARES,
-                      USE_BETA_SIGMOID)  # fmt: skip
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
     offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
+    if USE_GATE:
+        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                        HAS_DT_BIAS)  # fmt: skip
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    # After the loads above: a load placed after a store (dβ's) would wait for it.
+    if i_k == 0:
+        _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV, N_SHARES,
+                      USE_BETA_SIGMOID)  # fmt: skip
     d_raw = tl.cumsum(d_cum, axis=0, reverse=True)
     if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
         d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
@@ -767,9 +772,6 @@ def chunk_bwd_gate_kernel(
     else:
         channel = mask_k
     if USE_GATE:
-        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                        HAS_DT_BIAS)  # fmt: skip
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
         used = rows_in[:, None] & channel[None, :]
         chunk_id = (i_c * HV + i_hv).to(tl.int64)
