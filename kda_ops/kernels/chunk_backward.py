@@ -39,11 +39,12 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    and Aqk (q̂ / k̂ / G / β gradients): its rows against the earlier blocks' columns, its
    columns against the later blocks' rows (one other block at a time, in a loop), and
    its diagonal block, and adds them to kernel 3's row gradients. What sums over the
-   columns comes back as one share per column block (dβ) that the launcher adds, as it
-   does the beta-sigmoid backward.
+   columns comes back as one share per column block (dβ), which kernel 5 adds.
 5. ``chunk_bwd_gate_kernel``, token-parallel and split over the key columns: the reverse
    in-chunk cumsum of dG, the gate-activation backward and per-chunk shares of dA_log and
-   d dt_bias (the scalar gate's dg also as column-block shares).
+   d dt_bias (the scalar gate's dg also as column-block shares); the first column block's
+   programs also complete dβ (kernel 3's part plus kernel 4's shares, then the beta
+   sigmoid's backward): the first kernel after all of them are written.
 6. ``chunk_bwd_qk_kernel``, token-parallel: dq, dk from the per-value-head gradients of
    the l2-normalised rows, summing each head's value-head group, then the l2norm
    backward (a whole-row product, hence not in kernel 4).
@@ -719,19 +720,38 @@ def chunk_bwd_pairs_kernel(
 
 
 @triton.jit
+def _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV: tl.constexpr,
+                  N_SHARES: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
+    """dβ of rows ``tokens`` (beta's dtype): kernel 3's part (``dbeta_rows``, fp32 ``[B, T,
+    HV]``) plus the pairs kernel's shares (``dbeta_part``, fp32 ``[B, T, HV, N_SHARES]``),
+    through the sigmoid's backward with ``USE_BETA_SIGMOID``."""
+    row = tokens * HV + i_hv
+    d = tl.load(dbeta_rows + row, mask=rows_in, other=0.0)
+    for share in tl.static_range(N_SHARES):
+        d += tl.load(dbeta_part + row * N_SHARES + share, mask=rows_in, other=0.0)
+    if USE_BETA_SIGMOID:
+        b = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
+        d = d * b * (1.0 - b)
+    tl.store(dbeta + row, d.to(dbeta.dtype.element_ty), mask=rows_in)
+
+
+@triton.jit
 def chunk_bwd_gate_kernel(
-    g, A_log, dt_bias, cu_seqlens, chunk_offsets, d_cum_rows, lower_bound, length, n_seqs,
-    dg, dA_log_part, ddt_part,
+    g, A_log, dt_bias, beta, cu_seqlens, chunk_offsets, d_cum_rows, dbeta_rows, dbeta_part,
+    lower_bound, length, n_seqs,
+    dg, dA_log_part, ddt_part, dbeta,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, IS_VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, N_SHARES: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k: from the
     complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``) the gate's backward: dg, the
     reverse cumsum of dG inside the chunk (G_i = Σ_{s <= i} g_s) through the gate
     activation (g's dtype and shape; for the scalar gate this block's share, fp32 ``[B, T,
     HV, N_K]``), and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
-    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate)."""
+    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate). Block 0 also completes the
+    chunk's dβ (``_finish_dbeta``)."""
     N_K = (K + BK - 1) // BK
     i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -745,6 +765,14 @@ def chunk_bwd_gate_kernel(
     mask_k = offs_k < K
     offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
+    if USE_GATE:
+        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                        HAS_DT_BIAS)  # fmt: skip
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    # After the loads above: a load placed after a store (dβ's) would wait for it.
+    if i_k == 0:
+        _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV, N_SHARES,
+                      USE_BETA_SIGMOID)  # fmt: skip
     d_raw = tl.cumsum(d_cum, axis=0, reverse=True)
     if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
         d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
@@ -754,9 +782,6 @@ def chunk_bwd_gate_kernel(
     else:
         channel = mask_k
     if USE_GATE:
-        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                        HAS_DT_BIAS)  # fmt: skip
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
         used = rows_in[:, None] & channel[None, :]
         chunk_id = (i_c * HV + i_hv).to(tl.int64)
@@ -901,7 +926,8 @@ ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
-GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
+GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_BETA_SIGMOID",
+              "IS_VARLEN")  # fmt: skip
 # chunk_bwd_recompute_kernel's key columns a program and warps. H200, T = 8192, H = 64,
 # bf16, µs a launch (``benchmarks/launch_sweep.py``; Triton 3.6, sm_90 registers a
 # thread): 64 columns at 2 warps 561 (255 registers, 16 bytes of stack), at 4 warps 608
@@ -1155,7 +1181,6 @@ def launch_chunk_kda_backward(
     precision = flags["DOT_PRECISION"]
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
                  BN=next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
-    gate_args = (A_log, dt_bias, cu_seqlens, offsets)
     lower = 0.0 if lower_bound is None else lower_bound
     # Shared memory (227 KB a block on Hopper) holds the loops' pipelined tiles: fp32
     # tiles are twice as large, so fp32 inputs (the accuracy path) are not pipelined, and
@@ -1204,11 +1229,11 @@ def launch_chunk_kda_backward(
         pair_low_tiles = (d_aqk_low, d_a_low)
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
-    dbeta = torch.empty(*tokens_shape, **f32)
+    dbeta_rows = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
         grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
-        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta,
+        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
@@ -1245,9 +1270,11 @@ def launch_chunk_kda_backward(
             **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4,
             num_stages=PAIRS_STAGES,
         )  # fmt: skip
+    dbeta = torch.empty_like(beta)
     chunk_bwd_gate_kernel[(n_chunks * n_gate_k, value_heads)](
-        g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
-        HV=value_heads, K=head_k, BK=gate_k, BN=shape["BN"], CHUNK=CHUNK,
+        g, A_log, dt_bias, beta, cu_seqlens, offsets, d_cum, dbeta_rows, dbeta_part, lower,
+        length, n_seqs, dg, dA_log_part, ddt_part, dbeta,
+        HV=value_heads, K=head_k, BK=gate_k, BN=shape["BN"], CHUNK=CHUNK, N_SHARES=n_pair_k,
         **{name: flags[name] for name in GATE_FLAGS}, num_warps=GATE_WARPS,
     )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
@@ -1260,10 +1287,6 @@ def launch_chunk_kda_backward(
 
     if scalar_gate:
         dg = dg.sum(-1).to(g.dtype)
-    dbeta = dbeta + dbeta_part.sum(-1)
-    if use_beta_sigmoid:
-        gate = torch.sigmoid(beta.float())
-        dbeta = dbeta * gate * (1.0 - gate)
     # A fresh empty tensor for each absent input: an op's outputs may not alias.
     d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum((0, 2)).to(A_log.dtype)
     d_dt = ddt_part.sum(0)
@@ -1271,7 +1294,7 @@ def launch_chunk_kda_backward(
         d_dt = d_dt.sum(-1)
     d_dt_bias = q.new_empty(0) if dt_bias is None else d_dt.flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
+    return dq, dk, dv, dg, dbeta, d_A_log, d_dt_bias, d_initial
 
 
 def key_columns(block_k: int, columns: int, device: torch.device) -> int:

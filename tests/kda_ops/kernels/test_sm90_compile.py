@@ -73,13 +73,13 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
         )
         for chunks in ("all", "bounded", "unbounded")
     },
-    # the gate's backward after it: KDA's gate, GDN's scalar one
+    # the gate's backward after it (which also completes dβ): KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_gate_kernel/scalar_gate={scalar}": (
             "chunk_backward", "chunk_bwd_gate_kernel",
-            dict(HV=32, K=128, BK=64, BN=1, CHUNK=64, SCALAR_GATE=scalar,
+            dict(HV=32, K=128, BK=32, BN=1, CHUNK=64, N_SHARES=2, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
-                 IS_VARLEN=False),
+                 USE_BETA_SIGMOID=True, IS_VARLEN=False),
         )
         for scalar in (False, True)
     },
@@ -104,8 +104,8 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "unbounded": "*i8", "redo": "*i8",
              "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
              "dbeta": "*fp32", "d_aqk_tiles": "*fp32", "d_a_tiles": "*fp32",
-             "dbeta_part": "*fp32", "dA_log_part": "*fp32", "ddt_part": "*fp32",
-             "dg": "*fp32"}  # fmt: skip
+             "dbeta_part": "*fp32", "dbeta_rows": "*fp32", "dA_log_part": "*fp32",
+             "ddt_part": "*fp32", "dg": "*fp32"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
