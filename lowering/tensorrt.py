@@ -37,6 +37,7 @@ from kda_ops.kernels.chunk import (
     CHUNK,
     chunk_prepare_kernel,
     chunk_recurrence_kernel,
+    recurrence_stages,
     uses_safe_gate,
 )
 from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
@@ -255,11 +256,14 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
 
 def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     block_k, block_v, precision = _chunk_blocks(config)
+    split_v = min(block_v, 64)
+    itemsize = getattr(torch, config.get("dtype") or "float32").itemsize
     return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"],
-                WIDTH=config["head_v"], BK=block_k, BV=min(block_v, 64),
+                WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
-                STORE_OUTPUT=True)  # fmt: skip
+                STORE_OUTPUT=True,
+                STAGES=recurrence_stages(block_k, split_v, itemsize))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:

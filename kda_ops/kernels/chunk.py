@@ -615,7 +615,7 @@ def chunk_recurrence_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -637,7 +637,7 @@ def chunk_recurrence_kernel(
         state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
     rows = tl.arange(0, 64)
-    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=2):
+    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=STAGES):
         tokens = bos + c * 64 + rows
         in_seq = c * 64 + rows < seq_len
         token_offsets = (tokens * HV + i_hv)[:, None]
@@ -703,6 +703,18 @@ def prepare_flags(
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+
+
+def recurrence_stages(block_k: int, block_v: int, itemsize: int) -> int:
+    """Pipeline stages of ``chunk_recurrence_kernel``'s loop over the chunks: 3 where their
+    buffers fit shared memory (227 KB a block on Hopper), else 2. With 2 the next chunk's
+    tiles are loaded at the end of a step and waited for at the start of the next; with
+    3 the loads run a whole step ahead. A stage holds the w, qg, kd ``[64, BK]``, u
+    ``[64, BV]`` and Aqk ``[64, 64]`` tiles in the input dtype; about 20 KB more go to
+    the state operand and layout changes (sm_90, Triton 3.6, K = 128, bf16: 3 stages take
+    194 / 214 / 255 KB at 32 / 64 / 128 value columns; fp32 at 64 columns 312 KB)."""
+    stage = itemsize * 64 * (3 * block_k + block_v + 64)
+    return 3 if 3 * stage <= 200 * 1024 else 2
 
 
 def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
@@ -865,7 +877,8 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
         HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-        STORE_OUTPUT=o is not None, num_warps=4,
+        STORE_OUTPUT=o is not None, STAGES=recurrence_stages(block_k, split_v, w.element_size()),
+        num_warps=4,
     )  # fmt: skip
 
 
