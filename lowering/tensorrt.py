@@ -44,7 +44,7 @@ from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
 from kda_ops.kernels.recurrent import recurrent_kda_kernel
-from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, next_power_of_2
 
 SM90 = GPUTarget("cuda", 90, 32)
 TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -263,7 +263,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,
-                STAGES=recurrence_stages(block_k, split_v, itemsize))  # fmt: skip
+                STAGES=recurrence_stages(block_k, split_v, itemsize, itemsize, True,
+                                         SM90_SHARED_MEMORY))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:

@@ -1,6 +1,7 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
-needed): the conv kernels in every one, the gate kernel with both gates, the backward's
-prepare kernel in each of its launches, its WY, pairs, gate and recompute kernels.
+needed): the conv kernels in every one, the gate kernel with both gates, the forward's
+recurrence (whose pipeline stages must fit shared memory), the backward's prepare kernel
+in each of its launches, its WY, pairs, gate and recompute kernels.
 Without a GPU the other kernel tests run them in Triton's interpreter, which accepts code
 the compiler rejects (a loop-carried tile that changes shape or type) and skips libdevice
 calls."""
@@ -14,7 +15,9 @@ import sys
 
 import pytest
 
+from kda_ops.kernels.chunk import recurrence_stages
 from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
+from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
@@ -22,7 +25,33 @@ GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
 PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=False,
                USE_GATE=True, HAS_DT_BIAS=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
                IS_VARLEN=False, DOT_PRECISION="tf32")  # fmt: skip
-VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
+
+
+def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width: int = 128,
+               store_output: bool = True, store_states: bool = False) -> tuple:  # fmt: skip
+    """``chunk_recurrence_kernel`` as ``_recurrence`` launches it (K = V = 128) with inputs
+    of ``dtype`` and Aqk of ``aqk``; ``width`` 256 is the segmented path's maps pass."""
+    size = {"bf16": 2, "fp32": 4}
+    stages = recurrence_stages(128, value_columns, size[dtype], size[aqk], store_output,
+                               SM90_SHARED_MEMORY)  # fmt: skip
+    constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns,
+                      HAS_INITIAL_STATE=False, IS_VARLEN=False,
+                      DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
+                      STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
+                      STAGES=stages)  # fmt: skip
+    types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
+    return "chunk", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
+
+
+RECURRENCES = {
+    **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
+    # the training forward: Aqk kept fp32, chunk states written
+    "chunk_recurrence_kernel/training": recurrence(64, aqk="fp32", store_states=True),
+    "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
+    "chunk_recurrence_kernel/maps": recurrence(128, width=256, store_output=False),
+}
+VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument types])
+    **RECURRENCES,
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
@@ -114,29 +143,31 @@ from triton.compiler import ASTSource
 
 variants, arg_types = (json.loads(a) for a in sys.argv[1:])
 results = {}
-for name, (module, kernel_name, constexprs) in variants.items():
+for name, (module, kernel_name, constexprs, *types) in variants.items():
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
     # A constexpr left out would compile as a pointer argument, a variant never launched.
     missing = [kernel.arg_names[i] for i in kernel.constexprs
                if kernel.arg_names[i] not in constexprs]
     if missing:
-        results[name] = f"constexprs not given: {missing}"
+        results[name] = {"error": f"constexprs not given: {missing}"}
         continue
+    types = {**arg_types, **(types[0] if types else {})}
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
             continue
-        signature[arg] = arg_types.get(arg, "*bf16")
+        signature[arg] = types.get(arg, "*bf16")
         if signature[arg].startswith("*"):  # aligned like every tensor a launcher passes
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, attrs=attrs, constexprs={
         (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        results[name] = "ok"
+        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4})
+        results[name] = {"error": None, "shared": binary.metadata.shared}
     except Exception as error:
-        results[name] = f"{type(error).__name__}: {error}"
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
 print(json.dumps(results))
 """
 
@@ -154,4 +185,23 @@ def compiled():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kernel_compiles_for_sm90(compiled, variant):
-    assert compiled[variant] == "ok"
+    assert compiled[variant]["error"] is None
+
+
+@pytest.mark.parametrize("variant", sorted(RECURRENCES))
+def test_recurrence_stages_fit_shared_memory(compiled, variant):
+    """``recurrence_stages`` takes 3 stages only where their buffers fit (a launch past the
+    limit fails on the GPU, not here)."""
+    assert compiled[variant]["shared"] <= SM90_SHARED_MEMORY
+
+
+def test_recurrence_runs_ahead_where_it_fits():
+    """bf16 inference launches up to 64 value columns and the maps pass get 3 stages;
+    128 value columns with outputs, fp32 inputs and the training forward's fp32 Aqk 2."""
+    stages = {name: spec[2]["STAGES"] for name, spec in RECURRENCES.items()}
+    assert stages == {"chunk_recurrence_kernel/bf16/columns=32": 3,
+                      "chunk_recurrence_kernel/bf16/columns=64": 3,
+                      "chunk_recurrence_kernel/bf16/columns=128": 2,
+                      "chunk_recurrence_kernel/training": 2,
+                      "chunk_recurrence_kernel/fp32": 2,
+                      "chunk_recurrence_kernel/maps": 3}  # fmt: skip
