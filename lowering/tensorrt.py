@@ -37,7 +37,7 @@ from kda_ops.kernels.chunk import (
     CHUNK,
     chunk_prepare_kernel,
     chunk_recurrence_kernel,
-    recurrence_stages,
+    scan_stages,
     uses_safe_gate,
 )
 from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
@@ -263,7 +263,7 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,
-                STAGES=recurrence_stages(block_k, split_v, itemsize, itemsize, True,
+                STAGES=scan_stages(block_k, split_v, itemsize, itemsize, True,
                                          SM90_SHARED_MEMORY))  # fmt: skip
 
 

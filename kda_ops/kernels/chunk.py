@@ -705,18 +705,19 @@ def prepare_flags(
     )  # fmt: skip
 
 
-def recurrence_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
-                      store_output: bool, shared_memory: int) -> int:  # fmt: skip
-    """Pipeline stages of ``chunk_recurrence_kernel``'s loop over the chunks: 3 where their
-    buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles are loaded
-    at the end of a step, after its stores, and waited for at the start of the next; with
-    3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u ``[64,
-    BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg ``[64, BK]``
-    and Aqk ``[64, 64]`` in its own dtype (the training forward keeps it fp32), and G_C;
-    the state operand takes up to ``[BK, BV]`` more. sm_90, Triton 3.6, K = 128, bf16, 3
-    stages: 194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB fit); the segmented
-    path's maps pass (256 state columns by 128, no outputs) 165 KB;
-    ``tests/kda_ops/kernels/test_sm90_compile.py`` checks the launches against the limit."""
+def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
+                store_output: bool, shared_memory: int) -> int:  # fmt: skip
+    """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
+    ``chunk_recurrence_kernel``, the backward's dS scan): 3 where their buffers fit
+    ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles are loaded at the end of
+    a step, after its stores, and waited for at the start of the next; with 3 the loads
+    run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u (dO) ``[64, BV]`` in
+    the input dtype (``itemsize`` bytes), with the outputs also qg ``[64, BK]`` and Aqk
+    ``[64, 64]`` in its own dtype, and G_C; the state operand takes up to ``[BK, BV]``
+    more. sm_90, Triton 3.6, K = 128, bf16, 3 stages: the recurrence 194 / 214 / 255 KB at
+    32 / 64 / 128 value columns (227 KB fit), its maps pass in the segmented path (256
+    state columns by 128, no outputs) 165 KB; ``tests/kda_ops/kernels/test_sm90_compile.py``
+    checks the launches against the limit."""
     tiles = itemsize * (2 * block_k + block_v)
     if store_output:
         tiles += itemsize * block_k + aqk_itemsize * 64
@@ -878,7 +879,7 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
     split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
-    stages = recurrence_stages(block_k, split_v, w.element_size(), aqk.element_size(),
+    stages = scan_stages(block_k, split_v, w.element_size(), aqk.element_size(),
                                o is not None, shared_memory(u.device))  # fmt: skip
     chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,

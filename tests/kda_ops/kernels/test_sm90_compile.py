@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from kda_ops.kernels.chunk import recurrence_stages
+from kda_ops.kernels.chunk import scan_stages
 from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
 
@@ -32,8 +32,8 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
     """``chunk_recurrence_kernel`` as ``_recurrence`` launches it (K = V = 128) with inputs
     of ``dtype`` and Aqk of ``aqk``; ``width`` 256 is the segmented path's maps pass."""
     size = {"bf16": 2, "fp32": 4}
-    stages = recurrence_stages(128, value_columns, size[dtype], size[aqk], store_output,
-                               SM90_SHARED_MEMORY)  # fmt: skip
+    stages = scan_stages(128, value_columns, size[dtype], size[aqk], store_output,
+                         SM90_SHARED_MEMORY)  # fmt: skip
     constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns,
                       HAS_INITIAL_STATE=False, IS_VARLEN=False,
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
@@ -43,15 +43,37 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
     return "chunk", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
 
 
-RECURRENCES = {
+def ds_scan(value_columns: int) -> tuple:
+    """The backward's ``chunk_bwd_state_kernel`` as its launcher runs it on bf16 inputs
+    (K = V = 128, 8 warps)."""
+    stages = scan_stages(128, value_columns, 2, 2, True, SM90_SHARED_MEMORY)
+    constexprs = dict(
+        HV=32,
+        K=128,
+        V=128,
+        BK=128,
+        BV=value_columns,
+        CHUNK=64,
+        HAS_INITIAL_STATE=False,
+        IS_VARLEN=False,
+        DOT_PRECISION="tf32",
+    )
+    types = {name: "*bf16" for name in ("w", "qg", "kd", "aqk", "grad_o", "dstates")}
+    types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
+    return ("chunk_backward", "chunk_bwd_state_kernel", constexprs, types,
+            {"num_warps": 8, "num_stages": stages})  # fmt: skip
+
+
+SCANS = {
     **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
-    # the training forward: Aqk kept fp32, chunk states written
-    "chunk_recurrence_kernel/training": recurrence(64, aqk="fp32", store_states=True),
+    # the training forward: chunk states written
+    "chunk_recurrence_kernel/training": recurrence(64, store_states=True),
     "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
     "chunk_recurrence_kernel/maps": recurrence(128, width=256, store_output=False),
+    **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (64, 128)},
 }
-VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument types])
-    **RECURRENCES,
+VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument types,
+    **SCANS,  # launch options])
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
@@ -143,7 +165,7 @@ from triton.compiler import ASTSource
 
 variants, arg_types = (json.loads(a) for a in sys.argv[1:])
 results = {}
-for name, (module, kernel_name, constexprs, *types) in variants.items():
+for name, (module, kernel_name, constexprs, *extra) in variants.items():
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
     # A constexpr left out would compile as a pointer argument, a variant never launched.
     missing = [kernel.arg_names[i] for i in kernel.constexprs
@@ -151,7 +173,8 @@ for name, (module, kernel_name, constexprs, *types) in variants.items():
     if missing:
         results[name] = {"error": f"constexprs not given: {missing}"}
         continue
-    types = {**arg_types, **(types[0] if types else {})}
+    types = {**arg_types, **(extra[0] if extra else {})}
+    options = {"num_warps": 4, **(extra[1] if len(extra) > 1 else {})}
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
@@ -163,8 +186,7 @@ for name, (module, kernel_name, constexprs, *types) in variants.items():
     source = ASTSource(kernel, signature, attrs=attrs, constexprs={
         (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
-        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4})
+        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         results[name] = {"error": None, "shared": binary.metadata.shared}
     except Exception as error:
         results[name] = {"error": f"{type(error).__name__}: {error}"}
@@ -188,20 +210,23 @@ def test_kernel_compiles_for_sm90(compiled, variant):
     assert compiled[variant]["error"] is None
 
 
-@pytest.mark.parametrize("variant", sorted(RECURRENCES))
-def test_recurrence_stages_fit_shared_memory(compiled, variant):
-    """``recurrence_stages`` takes 3 stages only where their buffers fit (a launch past the
+@pytest.mark.parametrize("variant", sorted(SCANS))
+def test_scan_stages_fit_shared_memory(compiled, variant):
+    """``scan_stages`` takes 3 stages only where their buffers fit (a launch past the
     limit fails on the GPU, not here)."""
     assert compiled[variant]["shared"] <= SM90_SHARED_MEMORY
 
 
-def test_recurrence_runs_ahead_where_it_fits():
-    """bf16 inference launches up to 64 value columns and the maps pass get 3 stages;
-    128 value columns with outputs, fp32 inputs and the training forward's fp32 Aqk 2."""
-    stages = {name: spec[2]["STAGES"] for name, spec in RECURRENCES.items()}
+def test_scans_run_ahead_where_they_fit():
+    """bf16 launches up to 64 value columns (the training forward's too) and the maps pass
+    get 3 stages; 128 value columns with outputs and fp32 inputs 2."""
+    stages = {name: spec[4]["num_stages"] if len(spec) > 4 else spec[2]["STAGES"]
+              for name, spec in SCANS.items()}  # fmt: skip
     assert stages == {"chunk_recurrence_kernel/bf16/columns=32": 3,
                       "chunk_recurrence_kernel/bf16/columns=64": 3,
                       "chunk_recurrence_kernel/bf16/columns=128": 2,
-                      "chunk_recurrence_kernel/training": 2,
+                      "chunk_recurrence_kernel/training": 3,
                       "chunk_recurrence_kernel/fp32": 2,
-                      "chunk_recurrence_kernel/maps": 3}  # fmt: skip
+                      "chunk_recurrence_kernel/maps": 3,
+                      "chunk_bwd_state_kernel/columns=64": 3,
+                      "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip
