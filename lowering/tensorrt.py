@@ -264,7 +264,7 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,
                 STAGES=scan_stages(block_k, split_v, itemsize, itemsize, True,
-                                         SM90_SHARED_MEMORY))  # fmt: skip
+                                   SM90_SHARED_MEMORY))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:

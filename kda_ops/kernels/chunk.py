@@ -880,7 +880,7 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     block_v = max(16, next_power_of_2(state_width))
     split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
     stages = scan_stages(block_k, split_v, w.element_size(), aqk.element_size(),
-                               o is not None, shared_memory(u.device))  # fmt: skip
+                         o is not None, shared_memory(u.device))  # fmt: skip
     chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
