@@ -910,8 +910,12 @@ REBUILD_COLUMNS, REBUILD_WARPS = 64, 2
 # training step 9.88 -> 9.51 ms). The gate kernel's columns and warps: H200, same shape,
 # Triton 3.6, µs a launch (``launch_sweep.py``): 32 columns at 1 / 2 / 4 warps 203 / 215 /
 # 258; 16 at 1 warp 220; 64 at 2 / 4 249 / 236; 128 at 4 302.
-PAIRS_COLUMNS = 64
+PAIRS_COLUMNS, PAIRS_STAGES = 64, 1
 GATE_COLUMNS, GATE_WARPS = 32, 1
+# The WY kernel's value and key steps (its loops over V and over K) and pipeline stages
+# (bf16 / fp16 inputs). ptxas, K = V = 128: the key loop spills 68 / 36 bytes at 32 / 16
+# columns, but takes twice the trips at 16.
+WY_VALUE_STEP, WY_KEY_STEP, WY_STAGES = 32, 32, 2
 
 
 class _Layout(NamedTuple):
@@ -1142,7 +1146,7 @@ def launch_chunk_kda_backward(
     aqk, solve, chunk_decay, q_norm, k_norm, unbounded, chunk_states, cum_g, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_seqs, offsets, n_chunks = layout.n_seqs, layout.chunk_offsets, layout.n_chunks
-    block_k, block_v, flags, warps = layout.block_k, layout.block_v, layout.flags, layout.warps
+    block_k, block_v, flags = layout.block_k, layout.block_v, layout.flags
     f32 = dict(device=q.device, dtype=torch.float32)
     precision = flags["DOT_PRECISION"]
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
@@ -1151,12 +1155,10 @@ def launch_chunk_kda_backward(
     lower = 0.0 if lower_bound is None else lower_bound
     # Shared memory (227 KB a block on Hopper) holds the loops' pipelined tiles: fp32
     # tiles are twice as large, so fp32 inputs (the accuracy path) are not pipelined, and
-    # K > 128 halves the WY kernel's value block (ptxas: every config within 140 KB).
-    launch = dict(num_warps=warps, num_stages=1 if q.dtype == torch.float32 else 2)
-    wy_block_v = min(block_v, 32 if block_k <= 128 else 16)
-    # The WY kernel's pass over K (ptxas, K = V = 128: 68 / 36 bytes of spills at 32 / 16
-    # columns, but twice the trips at 16).
-    wy_block_k = min(block_k, 32)
+    # K > 128 halves the WY kernel's value step (ptxas: every config within 140 KB).
+    pipelined = q.dtype != torch.float32
+    wy_block_v = min(block_v, WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2)
+    wy_block_k = min(block_k, WY_KEY_STEP)
     tokens_shape = (batch, length, value_heads)
 
     del u, chunk_decay
@@ -1167,8 +1169,8 @@ def launch_chunk_kda_backward(
     split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
     # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
     # are not pipelined (above).
-    stages = launch["num_stages"]
-    if q.dtype != torch.float32:
+    stages = 1
+    if pipelined:
         stages = scan_stages(block_k, split_v, q.element_size(), aqk.element_size(), True,
                              shared_memory(q.device))  # fmt: skip
     chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
@@ -1212,7 +1214,7 @@ def launch_chunk_kda_backward(
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
         # 4 warps: fwd + bwd 12963 us against 13965 at 8 (H200, B = 1, T = 8192, H = 64,
         # bf16; the pairs kernel at 8 warps took 18275, the WY kernel at BK_STEP 16 14646).
-        **dict(launch, num_warps=4),
+        num_warps=4, num_stages=WY_STAGES if pipelined else 1,
     )  # fmt: skip
     # Freed before the pairs and l2norm kernels allocate theirs: the peak stays at this one.
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
@@ -1240,7 +1242,8 @@ def launch_chunk_kda_backward(
             d_aqk_tiles if d_aqk_low is None else d_aqk_low,
             d_a_tiles if d_a_low is None else d_a_low, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
-            **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4, num_stages=1,
+            **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4,
+            num_stages=PAIRS_STAGES,
         )  # fmt: skip
     chunk_bwd_gate_kernel[(n_chunks * n_gate_k, value_heads)](
         g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
