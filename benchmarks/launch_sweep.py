@@ -5,8 +5,8 @@ and beta sigmoid in the kernel), µs a launch as the mean of ``triton.testing.do
 (50 ms warm-up, 300 ms of runs). Ours only: these pick launch constants in
 ``kda_ops/kernels/chunk_backward.py``; ``ab.py`` then times the whole step.
 
-Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [prepare
-wy rebuild gate pairs state]``.
+Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [--only
+prepare wy rebuild gate pairs state]``.
 """
 
 import argparse
@@ -14,13 +14,13 @@ import itertools
 from functools import partial
 
 import torch
+from ops import LOWER_BOUND, kda_inputs
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from kda_ops.kernels import chunk_backward as bwd
 from kda_ops.kernels.chunk import CHUNK, prepare_flags
 
-LOWER_BOUND = -5.0
 DIM = 128
 
 
@@ -29,17 +29,15 @@ def launch_us(launch) -> float:
 
 
 class Inputs:
-    """Random tensors shaped as one training step's, and the launcher's flags for them."""
+    """``ops.py``'s inputs of one training step, other tensors of its shapes, and the
+    launcher's flags for them."""
 
     def __init__(self, length: int, heads: int):
         torch.manual_seed(0)
         self.length, self.heads, self.chunks = length, heads, length // CHUNK
-        rows = (1, length, heads, DIM)
-        self.q, self.k, self.g = (torch.randn(rows, device="cuda", dtype=torch.bfloat16)
-                                  for _ in range(3))  # fmt: skip
-        self.beta = torch.randn(1, length, heads, device="cuda", dtype=torch.bfloat16)
-        self.A_log = torch.zeros(heads, device="cuda")
-        self.dt_bias = torch.zeros(heads * DIM, device="cuda")
+        x = kda_inputs(1, length, heads, DIM)
+        self.q, self.k, self.g, self.beta = x["q"], x["k"], x["g"], x["beta"]
+        self.A_log, self.dt_bias = x["A_log"], x["dt_bias"]
         self.flags = prepare_flags(self.q, self.g, self.A_log, self.dt_bias, None, LOWER_BOUND,
                                    True, True)  # fmt: skip
 
@@ -179,14 +177,14 @@ SWEEPS = {"prepare": sweep_prepare, "wy": sweep_wy, "rebuild": sweep_rebuild,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kernels", nargs="*", choices=list(SWEEPS), help="default: all")
+    parser.add_argument("--only", nargs="+", choices=list(SWEEPS), help="a subset, in order")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192)
     args = parser.parse_args()
     x = Inputs(args.length, args.heads)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
           f"H={args.heads} D={DIM} bf16\n\n| launch | µs |\n| --- | ---: |")  # fmt: skip
-    for name in args.kernels or SWEEPS:
+    for name in args.only or SWEEPS:
         for case, launch in SWEEPS[name](x):
             try:
                 print(f"| {case} | {launch_us(launch):.1f} |", flush=True)

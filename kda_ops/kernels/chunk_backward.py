@@ -1199,8 +1199,10 @@ def launch_chunk_kda_backward(
     # pairs kernel reads every tile from the fp32 buffers.
     if q.dtype == torch.float32:
         d_a_low = d_aqk_low = None
+        pair_low_tiles = (d_aqk_tiles, d_a_tiles)
     else:
         d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
+        pair_low_tiles = (d_aqk_low, d_a_low)
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
     dbeta = torch.empty(*tokens_shape, **f32)
@@ -1239,8 +1241,7 @@ def launch_chunk_kda_backward(
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * 4 * n_pair_k, value_heads)](
             q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-            d_aqk_tiles if d_aqk_low is None else d_aqk_low,
-            d_a_tiles if d_a_low is None else d_a_low, unbounded, length, n_seqs,
+            *pair_low_tiles, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
             **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4,
             num_stages=PAIRS_STAGES,
