@@ -117,13 +117,14 @@ from kda_ops.kernels.chunk import (
     prepare_chunks,
     prepare_flags,
     scan_chunks,
+    scan_stages,
     scan_value_columns,
     sequence_span,
     unit_rows,
 )
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_activation
-from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -401,7 +402,7 @@ def chunk_bwd_state_kernel(
                       mask=state_mask, other=0.0)  # fmt: skip
 
     rows = tl.arange(0, CHUNK)
-    causal = rows[:, None] >= rows[None, :]
+    causal_t = rows[:, None] <= rows[None, :]  # Aqkᵀ's causal part
     n_chunks = tl.cdiv(seq_len, CHUNK)
     for step in range(0, n_chunks):
         c = n_chunks - 1 - step
@@ -418,13 +419,16 @@ def chunk_bwd_state_kernel(
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
                        other=0.0).to(dot_dtype)  # fmt: skip
-        b_aqk = tl.load(aqk + (chunk_id * CHUNK + rows)[:, None] * CHUNK + rows[None, :],
-                        mask=causal, other=0.0)  # fmt: skip
+        # Aqkᵀ loaded as such (tile element (j, i) from Aqk's row i), not transposed after
+        # the load: the 14th session's dS scan with a bf16 Aqk and ``tl.trans`` read shared
+        # memory out of range (compute-sanitizer, Triton 3.6).
+        b_aqk_t = tl.load(aqk + (chunk_id * CHUNK + rows)[None, :] * CHUNK + rows[:, None],
+                          mask=causal_t, other=0.0)  # fmt: skip
         last = tl.minimum(seq_len - c * CHUNK, CHUNK) - 1
         decay_last = tl.exp(tl.load(cum_g + ((bos + c * CHUNK + last) * HV + i_hv) * K + offs_k,
                                     mask=mask_k, other=0.0))  # fmt: skip
 
-        b_dv = tl.dot(tl.trans(b_aqk.to(dot_dtype)), b_do, input_precision=DOT_PRECISION)
+        b_dv = tl.dot(b_aqk_t.to(dot_dtype), b_do, input_precision=DOT_PRECISION)
         b_dv += tl.dot(b_kd.to(dot_dtype), d_state.to(dot_dtype), input_precision=DOT_PRECISION)
         tl.store(dv_new + token_offsets * V + offs_v[None, :], b_dv, mask=mask_rows_v)
         d_state = d_state * decay_last[:, None]
@@ -1003,7 +1007,9 @@ def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> Sav
     tokens = (batch, length, value_heads)
     f32 = dict(dtype=torch.float32)
     return SavedForBackward(
-        aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
+        # Aqk in the dot dtype: the recurrences take it in that dtype (the same rounding,
+        # once, as from fp32), and a stage of their pipelines holds a tile of it.
+        aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK),
         solve=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
         chunk_decay=q.new_empty(n_chunks, value_heads, head_k, **f32),
         q_norm=q.new_empty(*tokens, **f32),
@@ -1196,6 +1202,12 @@ def launch_chunk_kda_backward(
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
     split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
+    # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
+    # are not pipelined (above).
+    stages = 1
+    if pipelined:
+        stages = scan_stages(block_k, split_v, q.element_size(), aqk.element_size(), True,
+                             shared_memory(q.device))  # fmt: skip
     chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
@@ -1203,7 +1215,7 @@ def launch_chunk_kda_backward(
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         # ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 / 128 columns
         # (0.8 / 2.7 / 3.6 KB at 4 warps).
-        DOT_PRECISION=precision, num_warps=8, num_stages=2 if pipelined else 1,
+        DOT_PRECISION=precision, num_warps=8, num_stages=stages,
     )  # fmt: skip
 
     # The WY kernel's pass 1 to pass 2, v_new and dRu, over qg and kd (dead: only the scan
@@ -1213,11 +1225,10 @@ def launch_chunk_kda_backward(
     else:
         v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     del qg, kd
-    # dA and scale·dAqk over T and Aqk (read no more) unless another backward may need them.
-    if owns_saved:
-        d_a_tiles, d_aqk_tiles = solve, aqk
-    else:
-        d_a_tiles, d_aqk_tiles = torch.empty_like(solve), torch.empty_like(aqk)
+    # dA and scale·dAqk (fp32) over T and Aqk (read no more) unless another backward may
+    # need them; over Aqk only where it is fp32 (it is kept in the dot dtype).
+    d_a_tiles = solve if owns_saved else torch.empty_like(solve)
+    d_aqk_tiles = aqk if owns_saved and aqk.dtype == torch.float32 else torch.empty_like(solve)
     # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
     # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
     # pairs kernel reads every tile from the fp32 buffers.
