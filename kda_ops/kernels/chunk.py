@@ -708,16 +708,21 @@ def prepare_flags(
 def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
                 store_output: bool, shared_memory: int) -> int:  # fmt: skip
     """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
-    ``chunk_recurrence_kernel``, the backward's dS scan): 3 where their buffers fit
-    ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles are loaded at the end of
-    a step, after its stores, and waited for at the start of the next; with 3 the loads
-    run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u (dO) ``[64, BV]`` in
-    the input dtype (``itemsize`` bytes), with the outputs also qg ``[64, BK]`` and Aqk
-    ``[64, 64]`` in its own dtype, and G_C; the state operand takes up to ``[BK, BV]``
-    more. sm_90, Triton 3.6, K = 128, bf16, 3 stages: the recurrence 194 / 214 / 255 KB at
-    32 / 64 / 128 value columns (227 KB fit), its maps pass in the segmented path (256
-    state columns by 128, no outputs) 165 KB; ``tests/kda_ops/kernels/test_sm90_compile.py``
+    ``chunk_recurrence_kernel``, the backward's dS scan): 3 at up to 64 value columns
+    where their buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles
+    are loaded at the end of a step, after its stores, and waited for at the start of the
+    next; with 3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u
+    (dO) ``[64, BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg
+    ``[64, BK]`` and Aqk ``[64, 64]`` in its own dtype, and G_C; the state operand takes
+    up to ``[BK, BV]`` more. sm_90, Triton 3.6, K = 128, bf16, 3 stages: the recurrence
+    194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB fit). The segmented path's
+    maps pass (no outputs) would fit 3 stages at 128 columns too, but is slower there
+    (H200, ``benchmarks/cp.py``, T = 131072, H = 16, the whole op: 7398 / 7341 µs with
+    2 stages against 8058 / 8419 with 3 at 4 / 8 segments), while at 64 columns 3 pay
+    (2 segments: 7934 against 8348); ``tests/kda_ops/kernels/test_sm90_compile.py``
     checks the launches against the limit."""
+    if block_v > 64:
+        return 2
     tiles = itemsize * (2 * block_k + block_v)
     if store_output:
         tiles += itemsize * block_k + aqk_itemsize * 64
