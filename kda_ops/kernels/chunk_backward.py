@@ -361,13 +361,13 @@ def chunk_bwd_prepare_kernel(
     """The forward's prepare (``prepare_chunks``: w, qg, kd in q's dtype, u in v's, the
     chunk's total log-decay) with what the backward also reads, for the tokens of chunk
     i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``), at ``[i_c, i_hv]`` of
-    ``[n_chunks, HV, C, C]`` fp32 Aqk (causal part only; blocks above the diagonal are
-    left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse norms of the q and k
-    rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which read a row a block of
-    key columns at a time; without the safe gate, at ``unbounded[i_c, i_hv]`` (int8)
-    whether a row block of the chunk decays past the pairs kernel's dense limit in some
-    channel. ``redo`` and ``CHUNKS``: the forward's two launches without the safe gate
-    (``chunk.py``)."""
+    ``[n_chunks, HV, C, C]`` Aqk in q's dtype (causal part only; blocks above the
+    diagonal are left unwritten) and fp32 T (likewise); with ``USE_L2NORM`` the inverse
+    norms of the q and k rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which
+    read a row a block of key columns at a time; without the safe gate, at
+    ``unbounded[i_c, i_hv]`` (int8) whether a row block of the chunk decays past the pairs
+    kernel's dense limit in some channel. ``redo`` and ``CHUNKS``: the forward's two
+    launches without the safe gate (``chunk.py``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
