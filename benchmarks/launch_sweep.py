@@ -74,7 +74,9 @@ def sweep_rebuild(x: Inputs):
 
 def sweep_gate(x: Inputs):
     d_cum = x.f32(1, x.length, x.heads, DIM)
-    dg = torch.empty_like(x.g)
+    dbeta_rows = x.f32(1, x.length, x.heads)
+    dbeta_part = x.f32(1, x.length, x.heads, 2)  # the pairs kernel's shares at 64 columns
+    dg, dbeta = torch.empty_like(x.g), torch.empty_like(x.beta)
     for columns, warps in itertools.product((16, 32, 64, 128), (1, 2, 4)):
         shares = DIM // columns
         dA_log_part = torch.zeros(x.chunks, x.heads, shares, device="cuda")
@@ -82,9 +84,10 @@ def sweep_gate(x: Inputs):
         grid = (x.chunks * shares, x.heads)
         yield f"gate, {columns} columns, {warps} warps", partial(
             bwd.chunk_bwd_gate_kernel[grid],
-            x.g, x.A_log, x.dt_bias, None, None, d_cum, LOWER_BOUND, x.length, 1, dg,
-            dA_log_part, ddt_part, HV=x.heads, K=DIM, BK=columns, BN=1, CHUNK=CHUNK,
-            **x.flags_of(bwd.GATE_FLAGS), num_warps=warps,
+            x.g, x.A_log, x.dt_bias, x.beta, None, None, d_cum, dbeta_rows, dbeta_part,
+            LOWER_BOUND, x.length, 1, dg, dA_log_part, ddt_part, dbeta, HV=x.heads, K=DIM,
+            BK=columns, BN=1, CHUNK=CHUNK, N_SHARES=2, **x.flags_of(bwd.GATE_FLAGS),
+            num_warps=warps,
         )  # fmt: skip
 
 

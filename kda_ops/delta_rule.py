@@ -578,15 +578,14 @@ def chunk_kda(
             grad mode is on).
         disable_recompute: FLA's option to keep more of the forward for the backward.
             When autograd records the call (CUDA), the forward runs the backward's first
-            kernel and keeps its Aqk and T (fp32) and the chunk-start states (q's dtype;
-            together about 0.55 GB at B = 1, T = 8192, HV = 64, K = V = 128, bf16), from
-            which and the inputs the backward rebuilds G, w, qg, kd with a cumsum and a
-            whole-chunk product; with ``disable_recompute=True`` it keeps those too
-            (about 1.4 GB there) and uses
-            them as the backward's scratch, so that graph can be backpropagated once (a
-            second backward with ``retain_graph=True`` raises); timings and peaks on an
-            H200 in ``benchmarks/README.md``. Without autograd, and off CUDA, it changes
-            nothing.
+            kernel and keeps its Aqk (q's dtype), T (fp32) and the chunk-start states
+            (q's dtype; together about 0.47 GB at B = 1, T = 8192, HV = 64, K = V = 128,
+            bf16), from which and the inputs the backward rebuilds G, w, qg, kd with a
+            cumsum and a whole-chunk product; with ``disable_recompute=True`` it keeps
+            those too (about 1.4 GB there) and uses them as the backward's scratch, so
+            that graph can be backpropagated once (a second backward with
+            ``retain_graph=True`` raises); timings and peaks on an H200 in
+            ``benchmarks/README.md``. Without autograd, and off CUDA, it changes nothing.
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,

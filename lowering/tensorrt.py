@@ -37,13 +37,14 @@ from kda_ops.kernels.chunk import (
     CHUNK,
     chunk_prepare_kernel,
     chunk_recurrence_kernel,
+    scan_stages,
     uses_safe_gate,
 )
 from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
 from kda_ops.kernels.recurrent import recurrent_kda_kernel
-from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, next_power_of_2
 
 SM90 = GPUTarget("cuda", 90, 32)
 TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -255,11 +256,15 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
 
 def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, object]:
     block_k, block_v, precision = _chunk_blocks(config)
+    split_v = min(block_v, 64)
+    itemsize = getattr(torch, config.get("dtype") or "float32").itemsize
     return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"],
-                WIDTH=config["head_v"], BK=block_k, BV=min(block_v, 64),
+                WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
-                STORE_OUTPUT=True)  # fmt: skip
+                STORE_OUTPUT=True,
+                STAGES=scan_stages(block_k, split_v, itemsize, itemsize, True,
+                                   SM90_SHARED_MEMORY))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:

@@ -50,7 +50,7 @@ from torch import Tensor
 from kda_ops import reference
 from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
 from kda_ops.kernels.gate import gate_activation
-from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -615,7 +615,7 @@ def chunk_recurrence_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -637,7 +637,7 @@ def chunk_recurrence_kernel(
         state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
     rows = tl.arange(0, 64)
-    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=2):
+    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=STAGES):
         tokens = bos + c * 64 + rows
         in_seq = c * 64 + rows < seq_len
         token_offsets = (tokens * HV + i_hv)[:, None]
@@ -703,6 +703,31 @@ def prepare_flags(
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+
+
+def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
+                store_output: bool, shared_memory: int) -> int:  # fmt: skip
+    """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
+    ``chunk_recurrence_kernel``, the backward's dS scan): 3 at up to 64 value columns
+    where their buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles
+    are loaded at the end of a step, after its stores, and waited for at the start of the
+    next; with 3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u
+    (dO) ``[64, BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg
+    ``[64, BK]`` and Aqk ``[64, 64]`` in its own dtype, and G_C; the state operand takes
+    up to ``[BK, BV]`` more. sm_90, Triton 3.6, K = 128, bf16, 3 stages: the recurrence
+    194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB fit). The segmented path's
+    maps pass (no outputs) would fit 3 stages at 128 columns too, but is slower there
+    (H200, ``benchmarks/cp.py``, T = 131072, H = 16, the whole op: 7398 / 7341 µs with
+    2 stages against 8058 / 8419 with 3 at 4 / 8 segments), while at 64 columns 3 pay
+    (2 segments: 7934 against 8348); ``tests/kda_ops/kernels/test_sm90_compile.py``
+    checks the launches against the limit."""
+    if block_v > 64:
+        return 2
+    tiles = itemsize * (2 * block_k + block_v)
+    if store_output:
+        tiles += itemsize * block_k + aqk_itemsize * 64
+    stage = 64 * tiles + 4 * block_k
+    return 3 if 3 * stage + itemsize * block_k * block_v <= shared_memory else 2
 
 
 def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
@@ -859,13 +884,15 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
     split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
+    stages = scan_stages(block_k, split_v, w.element_size(), aqk.element_size(),
+                         o is not None, shared_memory(u.device))  # fmt: skip
     chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
         HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-        STORE_OUTPUT=o is not None, num_warps=4,
+        STORE_OUTPUT=o is not None, STAGES=stages, num_warps=4,
     )  # fmt: skip
 
 

@@ -39,11 +39,12 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
    and Aqk (q̂ / k̂ / G / β gradients): its rows against the earlier blocks' columns, its
    columns against the later blocks' rows (one other block at a time, in a loop), and
    its diagonal block, and adds them to kernel 3's row gradients. What sums over the
-   columns comes back as one share per column block (dβ) that the launcher adds, as it
-   does the beta-sigmoid backward.
+   columns comes back as one share per column block (dβ), which kernel 5 adds.
 5. ``chunk_bwd_gate_kernel``, token-parallel and split over the key columns: the reverse
    in-chunk cumsum of dG, the gate-activation backward and per-chunk shares of dA_log and
-   d dt_bias (the scalar gate's dg also as column-block shares).
+   d dt_bias (the scalar gate's dg also as column-block shares); the first column block's
+   programs also complete dβ (kernel 3's part plus kernel 4's shares, then the beta
+   sigmoid's backward): the first kernel after all of them are written.
 6. ``chunk_bwd_qk_kernel``, token-parallel: dq, dk from the per-value-head gradients of
    the l2-normalised rows, summing each head's value-head group, then the l2norm
    backward (a whole-row product, hence not in kernel 4).
@@ -116,13 +117,14 @@ from kda_ops.kernels.chunk import (
     prepare_chunks,
     prepare_flags,
     scan_chunks,
+    scan_stages,
     scan_value_columns,
     sequence_span,
     unit_rows,
 )
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_activation
-from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -359,13 +361,13 @@ def chunk_bwd_prepare_kernel(
     """The forward's prepare (``prepare_chunks``: w, qg, kd in q's dtype, u in v's, the
     chunk's total log-decay) with what the backward also reads, for the tokens of chunk
     i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``), at ``[i_c, i_hv]`` of
-    ``[n_chunks, HV, C, C]`` fp32 Aqk (causal part only; blocks above the diagonal are
-    left unwritten) and T (likewise); with ``USE_L2NORM`` the inverse norms of the q and k
-    rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which read a row a block of
-    key columns at a time; without the safe gate, at ``unbounded[i_c, i_hv]`` (int8)
-    whether a row block of the chunk decays past the pairs kernel's dense limit in some
-    channel. ``redo`` and ``CHUNKS``: the forward's two launches without the safe gate
-    (``chunk.py``)."""
+    ``[n_chunks, HV, C, C]`` Aqk in q's dtype (causal part only; blocks above the
+    diagonal are left unwritten) and fp32 T (likewise); with ``USE_L2NORM`` the inverse
+    norms of the q and k rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which
+    read a row a block of key columns at a time; without the safe gate, at
+    ``unbounded[i_c, i_hv]`` (int8) whether a row block of the chunk decays past the pairs
+    kernel's dense limit in some channel. ``redo`` and ``CHUNKS``: the forward's two
+    launches without the safe gate (``chunk.py``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
@@ -400,7 +402,7 @@ def chunk_bwd_state_kernel(
                       mask=state_mask, other=0.0)  # fmt: skip
 
     rows = tl.arange(0, CHUNK)
-    causal = rows[:, None] >= rows[None, :]
+    causal_t = rows[:, None] <= rows[None, :]  # Aqkᵀ's causal part
     n_chunks = tl.cdiv(seq_len, CHUNK)
     for step in range(0, n_chunks):
         c = n_chunks - 1 - step
@@ -417,13 +419,16 @@ def chunk_bwd_state_kernel(
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
                        other=0.0).to(dot_dtype)  # fmt: skip
-        b_aqk = tl.load(aqk + (chunk_id * CHUNK + rows)[:, None] * CHUNK + rows[None, :],
-                        mask=causal, other=0.0)  # fmt: skip
+        # Aqkᵀ loaded as such (tile element (j, i) from Aqk's row i), not transposed after
+        # the load: the 14th session's dS scan with a bf16 Aqk and ``tl.trans`` read shared
+        # memory out of range (compute-sanitizer, Triton 3.6).
+        b_aqk_t = tl.load(aqk + (chunk_id * CHUNK + rows)[None, :] * CHUNK + rows[:, None],
+                          mask=causal_t, other=0.0)  # fmt: skip
         last = tl.minimum(seq_len - c * CHUNK, CHUNK) - 1
         decay_last = tl.exp(tl.load(cum_g + ((bos + c * CHUNK + last) * HV + i_hv) * K + offs_k,
                                     mask=mask_k, other=0.0))  # fmt: skip
 
-        b_dv = tl.dot(tl.trans(b_aqk.to(dot_dtype)), b_do, input_precision=DOT_PRECISION)
+        b_dv = tl.dot(b_aqk_t.to(dot_dtype), b_do, input_precision=DOT_PRECISION)
         b_dv += tl.dot(b_kd.to(dot_dtype), d_state.to(dot_dtype), input_precision=DOT_PRECISION)
         tl.store(dv_new + token_offsets * V + offs_v[None, :], b_dv, mask=mask_rows_v)
         d_state = d_state * decay_last[:, None]
@@ -593,6 +598,14 @@ def _open_rows(r_q, r_k, r_cum, dot_dtype: tl.constexpr):
 
 
 @triton.jit
+def _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask):
+    """A row block's dq̂, dk̂, dG so far (fp32 tiles at ``offsets``)."""
+    return (tl.load(dq_rows + offsets, mask=mask, other=0.0),
+            tl.load(dk_rows + offsets, mask=mask, other=0.0),
+            tl.load(d_cum_rows + offsets, mask=mask, other=0.0))  # fmt: skip
+
+
+@triton.jit
 def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
                  remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
                  rows_a, rows_q, col, HV: tl.constexpr, K: tl.constexpr, N_K: tl.constexpr,
@@ -606,6 +619,14 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
+    mask = rows_in[:, None] & (offs_k < K)[None, :]
+    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    # The three row gradients are loaded together, before any store (the compiler keeps a
+    # load after a store it cannot prove apart, so one after another each waited its own
+    # round trip at the program's end), and before the diagonal block, so that the loads
+    # overlap its dots (sm_90, Triton 3.6, 4 warps: the dense launches 253 registers, no
+    # stack; the dyadic launch's stack 432 -> 536 bytes).
+    old_q, old_k, old_cum = _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask)
     d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, i_b)
     if DENSE:
         diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
@@ -613,21 +634,15 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
     else:
         diag_k, diag_q, diag_col, d_beta = _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
                                                                   r_cum)  # fmt: skip
-    # Σ_j dA_ij kk_ij over the earlier columns is k̂_i e^{G_i - ref} · rows_a.
-    d_beta += tl.sum(r_k * up * rows_a, axis=1)
-    tl.store(dbeta_part + (tokens * HV + i_hv) * N_K + i_k, d_beta, mask=rows_in)
     row_k = r_beta[:, None] * up * rows_a + diag_k
     row_q = up * rows_q + diag_q
     col += diag_col
-
-    mask = rows_in[:, None] & (offs_k < K)[None, :]
-    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-    tl.store(dq_rows + offsets, tl.load(dq_rows + offsets, mask=mask, other=0.0) + row_q,
-             mask=mask)  # fmt: skip
-    tl.store(dk_rows + offsets, tl.load(dk_rows + offsets, mask=mask, other=0.0) + row_k + col,
-             mask=mask)  # fmt: skip
-    d_cum = tl.load(d_cum_rows + offsets, mask=mask, other=0.0)
-    tl.store(d_cum_rows + offsets, d_cum + r_q * row_q + r_k * (row_k - col), mask=mask)
+    tl.store(dq_rows + offsets, old_q + row_q, mask=mask)
+    tl.store(dk_rows + offsets, old_k + row_k + col, mask=mask)
+    tl.store(d_cum_rows + offsets, old_cum + r_q * row_q + r_k * (row_k - col), mask=mask)
+    # Σ_j dA_ij kk_ij over the earlier columns is k̂_i e^{G_i - ref} · rows_a.
+    d_beta += tl.sum(r_k * up * rows_a, axis=1)
+    tl.store(dbeta_part + (tokens * HV + i_hv) * N_K + i_k, d_beta, mask=rows_in)
 
 
 @triton.jit
@@ -709,19 +724,38 @@ def chunk_bwd_pairs_kernel(
 
 
 @triton.jit
+def _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV: tl.constexpr,
+                  N_SHARES: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
+    """dβ of rows ``tokens`` (beta's dtype): kernel 3's part (``dbeta_rows``, fp32 ``[B, T,
+    HV]``) plus the pairs kernel's shares (``dbeta_part``, fp32 ``[B, T, HV, N_SHARES]``),
+    through the sigmoid's backward with ``USE_BETA_SIGMOID``."""
+    row = tokens * HV + i_hv
+    d = tl.load(dbeta_rows + row, mask=rows_in, other=0.0)
+    for share in tl.static_range(N_SHARES):
+        d += tl.load(dbeta_part + row * N_SHARES + share, mask=rows_in, other=0.0)
+    if USE_BETA_SIGMOID:
+        b = _load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
+        d = d * b * (1.0 - b)
+    tl.store(dbeta + row, d.to(dbeta.dtype.element_ty), mask=rows_in)
+
+
+@triton.jit
 def chunk_bwd_gate_kernel(
-    g, A_log, dt_bias, cu_seqlens, chunk_offsets, d_cum_rows, lower_bound, length, n_seqs,
-    dg, dA_log_part, ddt_part,
+    g, A_log, dt_bias, beta, cu_seqlens, chunk_offsets, d_cum_rows, dbeta_rows, dbeta_part,
+    lower_bound, length, n_seqs,
+    dg, dA_log_part, ddt_part, dbeta,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, IS_VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, N_SHARES: tl.constexpr, SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k: from the
     complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``) the gate's backward: dg, the
     reverse cumsum of dG inside the chunk (G_i = Σ_{s <= i} g_s) through the gate
     activation (g's dtype and shape; for the scalar gate this block's share, fp32 ``[B, T,
     HV, N_K]``), and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
-    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate)."""
+    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate). Block 0 also completes the
+    chunk's dβ (``_finish_dbeta``)."""
     N_K = (K + BK - 1) // BK
     i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -735,6 +769,14 @@ def chunk_bwd_gate_kernel(
     mask_k = offs_k < K
     offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
+    if USE_GATE:
+        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
+                        HAS_DT_BIAS)  # fmt: skip
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    # After the loads above: a load placed after a store (dβ's) would wait for it.
+    if i_k == 0:
+        _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV, N_SHARES,
+                      USE_BETA_SIGMOID)  # fmt: skip
     d_raw = tl.cumsum(d_cum, axis=0, reverse=True)
     if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
         d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
@@ -744,9 +786,6 @@ def chunk_bwd_gate_kernel(
     else:
         channel = mask_k
     if USE_GATE:
-        x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
-                        HAS_DT_BIAS)  # fmt: skip
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         d_raw, d_rate = _gate_activation_backward(d_raw, x, rate, lower_bound, USE_LOWER_BOUND)
         used = rows_in[:, None] & channel[None, :]
         chunk_id = (i_c * HV + i_hv).to(tl.int64)
@@ -891,7 +930,8 @@ ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_L2NORM",
                    "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")  # fmt: skip
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
-GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "IS_VARLEN")
+GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_BETA_SIGMOID",
+              "IS_VARLEN")  # fmt: skip
 # chunk_bwd_recompute_kernel's key columns a program and warps. H200, T = 8192, H = 64,
 # bf16, µs a launch (``benchmarks/launch_sweep.py``; Triton 3.6, sm_90 registers a
 # thread): 64 columns at 2 warps 561 (255 registers, 16 bytes of stack), at 4 warps 608
@@ -967,7 +1007,9 @@ def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> Sav
     tokens = (batch, length, value_heads)
     f32 = dict(dtype=torch.float32)
     return SavedForBackward(
-        aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
+        # Aqk in the dot dtype: the recurrences take it in that dtype (the same rounding,
+        # once, as from fp32), and a stage of their pipelines holds a tile of it.
+        aqk=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK),
         solve=q.new_empty(n_chunks, value_heads, CHUNK, CHUNK, **f32),
         chunk_decay=q.new_empty(n_chunks, value_heads, head_k, **f32),
         q_norm=q.new_empty(*tokens, **f32),
@@ -1145,7 +1187,6 @@ def launch_chunk_kda_backward(
     precision = flags["DOT_PRECISION"]
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
                  BN=next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
-    gate_args = (A_log, dt_bias, cu_seqlens, offsets)
     lower = 0.0 if lower_bound is None else lower_bound
     # Shared memory (227 KB a block on Hopper) holds the loops' pipelined tiles: fp32
     # tiles are twice as large, so fp32 inputs (the accuracy path) are not pipelined, and
@@ -1161,6 +1202,12 @@ def launch_chunk_kda_backward(
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
     split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
+    # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
+    # are not pipelined (above).
+    stages = 1
+    if pipelined:
+        stages = scan_stages(block_k, split_v, q.element_size(), aqk.element_size(), True,
+                             shared_memory(q.device))  # fmt: skip
     chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
@@ -1168,7 +1215,7 @@ def launch_chunk_kda_backward(
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
         # ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 / 128 columns
         # (0.8 / 2.7 / 3.6 KB at 4 warps).
-        DOT_PRECISION=precision, num_warps=8, num_stages=2 if pipelined else 1,
+        DOT_PRECISION=precision, num_warps=8, num_stages=stages,
     )  # fmt: skip
 
     # The WY kernel's pass 1 to pass 2, v_new and dRu, over qg and kd (dead: only the scan
@@ -1178,11 +1225,10 @@ def launch_chunk_kda_backward(
     else:
         v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     del qg, kd
-    # dA and scale·dAqk over T and Aqk (read no more) unless another backward may need them.
-    if owns_saved:
-        d_a_tiles, d_aqk_tiles = solve, aqk
-    else:
-        d_a_tiles, d_aqk_tiles = torch.empty_like(solve), torch.empty_like(aqk)
+    # dA and scale·dAqk (fp32) over T and Aqk (read no more) unless another backward may
+    # need them; over Aqk only where it is fp32 (it is kept in the dot dtype).
+    d_a_tiles = solve if owns_saved else torch.empty_like(solve)
+    d_aqk_tiles = aqk if owns_saved and aqk.dtype == torch.float32 else torch.empty_like(solve)
     # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
     # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
     # pairs kernel reads every tile from the fp32 buffers.
@@ -1194,11 +1240,11 @@ def launch_chunk_kda_backward(
         pair_low_tiles = (d_aqk_low, d_a_low)
     dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
     dv = torch.empty_like(v)
-    dbeta = torch.empty(*tokens_shape, **f32)
+    dbeta_rows = torch.empty(*tokens_shape, **f32)
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
         q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
         grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
-        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta,
+        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
@@ -1235,9 +1281,11 @@ def launch_chunk_kda_backward(
             **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4,
             num_stages=PAIRS_STAGES,
         )  # fmt: skip
+    dbeta = torch.empty_like(beta)
     chunk_bwd_gate_kernel[(n_chunks * n_gate_k, value_heads)](
-        g, *gate_args, d_cum, lower, length, n_seqs, dg, dA_log_part, ddt_part,
-        HV=value_heads, K=head_k, BK=gate_k, BN=shape["BN"], CHUNK=CHUNK,
+        g, A_log, dt_bias, beta, cu_seqlens, offsets, d_cum, dbeta_rows, dbeta_part, lower,
+        length, n_seqs, dg, dA_log_part, ddt_part, dbeta,
+        HV=value_heads, K=head_k, BK=gate_k, BN=shape["BN"], CHUNK=CHUNK, N_SHARES=n_pair_k,
         **{name: flags[name] for name in GATE_FLAGS}, num_warps=GATE_WARPS,
     )  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
@@ -1250,10 +1298,6 @@ def launch_chunk_kda_backward(
 
     if scalar_gate:
         dg = dg.sum(-1).to(g.dtype)
-    dbeta = dbeta + dbeta_part.sum(-1)
-    if use_beta_sigmoid:
-        gate = torch.sigmoid(beta.float())
-        dbeta = dbeta * gate * (1.0 - gate)
     # A fresh empty tensor for each absent input: an op's outputs may not alias.
     d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum((0, 2)).to(A_log.dtype)
     d_dt = ddt_part.sum(0)
@@ -1261,7 +1305,7 @@ def launch_chunk_kda_backward(
         d_dt = d_dt.sum(-1)
     d_dt_bias = q.new_empty(0) if dt_bias is None else d_dt.flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), d_A_log, d_dt_bias, d_initial
+    return dq, dk, dv, dg, dbeta, d_A_log, d_dt_bias, d_initial
 
 
 def key_columns(block_k: int, columns: int, device: torch.device) -> int:

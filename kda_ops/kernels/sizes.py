@@ -1,4 +1,5 @@
-"""Block sizes and grid extents the launchers compute on the host.
+"""Block sizes and grid extents the launchers compute on the host, and the device limits
+they size against.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions, callable from
 kernels too, and each host call pays for unwrapping its arguments as constexprs (~2 µs
@@ -10,6 +11,7 @@ host ints.
 import functools
 
 import torch
+import triton
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -29,3 +31,16 @@ def processors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+SM90_SHARED_MEMORY = 227 * 1024  # bytes a block may take on Hopper
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a block may take on a CUDA device (the limit Triton checks a
+    launch against; queried once per device); 0 elsewhere (Triton's interpreter)."""
+    if device.type != "cuda":
+        return 0
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]

@@ -1,6 +1,7 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
-needed): the conv kernels in every one, the gate kernel with both gates, the backward's
-prepare kernel in each of its launches, its WY, pairs, gate and recompute kernels.
+needed): the conv kernels in every one, the gate kernel with both gates, the forward's
+recurrence (whose pipeline stages must fit shared memory), the backward's prepare kernel
+in each of its launches, its WY, pairs, gate and recompute kernels.
 Without a GPU the other kernel tests run them in Triton's interpreter, which accepts code
 the compiler rejects (a loop-carried tile that changes shape or type) and skips libdevice
 calls."""
@@ -14,7 +15,9 @@ import sys
 
 import pytest
 
+from kda_ops.kernels.chunk import scan_stages
 from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
+from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
@@ -22,7 +25,55 @@ GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
 PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=False,
                USE_GATE=True, HAS_DT_BIAS=True, USE_L2NORM=True, USE_BETA_SIGMOID=True,
                IS_VARLEN=False, DOT_PRECISION="tf32")  # fmt: skip
-VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
+
+
+def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width: int = 128,
+               store_output: bool = True, store_states: bool = False) -> tuple:  # fmt: skip
+    """``chunk_recurrence_kernel`` as ``_recurrence`` launches it (K = V = 128) with inputs
+    of ``dtype`` and Aqk of ``aqk``; ``width`` 256 is the segmented path's maps pass."""
+    size = {"bf16": 2, "fp32": 4}
+    stages = scan_stages(128, value_columns, size[dtype], size[aqk], store_output,
+                         SM90_SHARED_MEMORY)  # fmt: skip
+    constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns,
+                      HAS_INITIAL_STATE=False, IS_VARLEN=False,
+                      DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
+                      STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
+                      STAGES=stages)  # fmt: skip
+    types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
+    return "chunk", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
+
+
+def ds_scan(value_columns: int) -> tuple:
+    """The backward's ``chunk_bwd_state_kernel`` as its launcher runs it on bf16 inputs
+    (K = V = 128, 8 warps)."""
+    stages = scan_stages(128, value_columns, 2, 2, True, SM90_SHARED_MEMORY)
+    constexprs = dict(
+        HV=32,
+        K=128,
+        V=128,
+        BK=128,
+        BV=value_columns,
+        CHUNK=64,
+        HAS_INITIAL_STATE=False,
+        IS_VARLEN=False,
+        DOT_PRECISION="tf32",
+    )
+    types = {name: "*bf16" for name in ("w", "qg", "kd", "aqk", "grad_o", "dstates")}
+    types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
+    return ("chunk_backward", "chunk_bwd_state_kernel", constexprs, types,
+            {"num_warps": 8, "num_stages": stages})  # fmt: skip
+
+
+SCANS = {
+    **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
+    # the training forward: chunk states written
+    "chunk_recurrence_kernel/training": recurrence(64, store_states=True),
+    "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
+    "chunk_recurrence_kernel/maps": recurrence(128, width=256, store_output=False),
+    **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (64, 128)},
+}
+VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument types,
+    **SCANS,  # launch options])
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
             "conv", "causal_conv1d_kernel",
@@ -73,13 +124,13 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs)
         )
         for chunks in ("all", "bounded", "unbounded")
     },
-    # the gate's backward after it: KDA's gate, GDN's scalar one
+    # the gate's backward after it (which also completes dβ): KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_gate_kernel/scalar_gate={scalar}": (
             "chunk_backward", "chunk_bwd_gate_kernel",
-            dict(HV=32, K=128, BK=64, BN=1, CHUNK=64, SCALAR_GATE=scalar,
+            dict(HV=32, K=128, BK=32, BN=1, CHUNK=64, N_SHARES=2, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
-                 IS_VARLEN=False),
+                 USE_BETA_SIGMOID=True, IS_VARLEN=False),
         )
         for scalar in (False, True)
     },
@@ -104,8 +155,8 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "unbounded": "*i8", "redo": "*i8",
              "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
              "dbeta": "*fp32", "d_aqk_tiles": "*fp32", "d_a_tiles": "*fp32",
-             "dbeta_part": "*fp32", "dA_log_part": "*fp32", "ddt_part": "*fp32",
-             "dg": "*fp32"}  # fmt: skip
+             "dbeta_part": "*fp32", "dbeta_rows": "*fp32", "dA_log_part": "*fp32",
+             "ddt_part": "*fp32", "dg": "*fp32"}  # fmt: skip
 SCRIPT = """
 import importlib, json, sys
 import triton
@@ -114,29 +165,31 @@ from triton.compiler import ASTSource
 
 variants, arg_types = (json.loads(a) for a in sys.argv[1:])
 results = {}
-for name, (module, kernel_name, constexprs) in variants.items():
+for name, (module, kernel_name, constexprs, *extra) in variants.items():
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
     # A constexpr left out would compile as a pointer argument, a variant never launched.
     missing = [kernel.arg_names[i] for i in kernel.constexprs
                if kernel.arg_names[i] not in constexprs]
     if missing:
-        results[name] = f"constexprs not given: {missing}"
+        results[name] = {"error": f"constexprs not given: {missing}"}
         continue
+    types = {**arg_types, **(extra[0] if extra else {})}
+    options = {"num_warps": 4, **(extra[1] if len(extra) > 1 else {})}
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
             continue
-        signature[arg] = arg_types.get(arg, "*bf16")
+        signature[arg] = types.get(arg, "*bf16")
         if signature[arg].startswith("*"):  # aligned like every tensor a launcher passes
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, attrs=attrs, constexprs={
         (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        results[name] = "ok"
+        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        results[name] = {"error": None, "shared": binary.metadata.shared}
     except Exception as error:
-        results[name] = f"{type(error).__name__}: {error}"
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
 print(json.dumps(results))
 """
 
@@ -154,4 +207,26 @@ def compiled():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kernel_compiles_for_sm90(compiled, variant):
-    assert compiled[variant] == "ok"
+    assert compiled[variant]["error"] is None
+
+
+@pytest.mark.parametrize("variant", sorted(SCANS))
+def test_scan_stages_fit_shared_memory(compiled, variant):
+    """``scan_stages`` takes 3 stages only where their buffers fit (a launch past the
+    limit fails on the GPU, not here)."""
+    assert compiled[variant]["shared"] <= SM90_SHARED_MEMORY
+
+
+def test_scans_run_ahead_where_they_fit():
+    """bf16 launches up to 64 value columns (the training forward's too) get 3 stages;
+    128 value columns (the maps pass's too) and fp32 inputs 2."""
+    stages = {name: spec[4]["num_stages"] if len(spec) > 4 else spec[2]["STAGES"]
+              for name, spec in SCANS.items()}  # fmt: skip
+    assert stages == {"chunk_recurrence_kernel/bf16/columns=32": 3,
+                      "chunk_recurrence_kernel/bf16/columns=64": 3,
+                      "chunk_recurrence_kernel/bf16/columns=128": 2,
+                      "chunk_recurrence_kernel/training": 3,
+                      "chunk_recurrence_kernel/fp32": 2,
+                      "chunk_recurrence_kernel/maps": 2,
+                      "chunk_bwd_state_kernel/columns=64": 3,
+                      "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip
