@@ -1,12 +1,13 @@
-"""Launch-size sweeps of the chunk backward's kernels whose sizes the launcher picks (key or
-value columns a program, warps, pipeline stages): each kernel launched alone on random
-inputs shaped as a training step's (B = 1, T = 8192, D = 128, bf16, safe gate -5, l2norm
-and beta sigmoid in the kernel), µs a launch as the mean of ``triton.testing.do_bench``
-(50 ms warm-up, 300 ms of runs). Ours only: these pick launch constants in
-``kda_ops/kernels/chunk_backward.py``; ``ab.py`` then times the whole step.
+"""Launch-size sweeps of the chunk kernels whose sizes the launchers pick (key or value
+columns a program, warps, pipeline stages): the backward's kernels and the forward's
+recurrence, each launched alone on random inputs shaped as a training step's (B = 1,
+T = 8192, D = 128, bf16, safe gate -5, l2norm and beta sigmoid in the kernel), µs a launch
+as the mean of ``triton.testing.do_bench`` (50 ms warm-up, 300 ms of runs). Ours only:
+these pick launch constants in ``kda_ops/kernels/chunk_backward.py`` and ``chunk.py``;
+``ab.py`` then times the whole step.
 
 Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [--only
-prepare wy rebuild gate pairs state]``.
+prepare wy rebuild gate pairs state recurrence]``.
 """
 
 import argparse
@@ -19,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from kda_ops.kernels import chunk_backward as bwd
-from kda_ops.kernels.chunk import CHUNK, prepare_flags
+from kda_ops.kernels.chunk import CHUNK, chunk_recurrence_kernel, prepare_flags
 
 DIM = 128
 
@@ -126,6 +127,27 @@ def sweep_state(x: Inputs):
         )  # fmt: skip
 
 
+def sweep_recurrence(x: Inputs):
+    """The inference forward's recurrence (outputs, no chunk states). The launcher takes
+    the fewest value columns that leave every program an SM of its own and 3 stages where
+    they fit (``scan_value_columns``, ``scan_stages``); at H = 96 that is 128 columns at 2
+    stages, where 64 columns at 3 stages run two waves of shorter steps."""
+    w, u, qg, kd = (0.1 * torch.randn_like(x.q) for _ in range(4))
+    aqk = x.tiles().to(x.q.dtype)
+    chunk_decay = -torch.rand(x.chunks, x.heads, DIM, device="cuda")
+    o = torch.empty_like(x.q)
+    final_state = torch.empty(1, x.heads, DIM, DIM, device="cuda")
+    for columns, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+        grid = (DIM // columns, x.heads)
+        yield f"recurrence, {columns} value columns, {warps} warps, {stages} stages", partial(
+            chunk_recurrence_kernel[grid],
+            w, u, qg, kd, aqk, chunk_decay, None, None, None, x.length, o, final_state, None,
+            HV=x.heads, K=DIM, V=DIM, WIDTH=DIM, BK=DIM, BV=columns, HAS_INITIAL_STATE=False,
+            IS_VARLEN=False, DOT_PRECISION="tf32", STORE_CHUNK_STATES=False,
+            STORE_OUTPUT=True, STAGES=stages, num_warps=warps,
+        )  # fmt: skip
+
+
 def sweep_prepare(x: Inputs):
     """Kernel 1 as the training forward launches it (no G stored)."""
     v = torch.randn_like(x.q)
@@ -175,7 +197,8 @@ def sweep_wy(x: Inputs):
 
 
 SWEEPS = {"prepare": sweep_prepare, "wy": sweep_wy, "rebuild": sweep_rebuild,
-          "gate": sweep_gate, "pairs": sweep_pairs, "state": sweep_state}  # fmt: skip
+          "gate": sweep_gate, "pairs": sweep_pairs, "state": sweep_state,
+          "recurrence": sweep_recurrence}  # fmt: skip
 
 
 def main() -> None:
