@@ -48,9 +48,10 @@ class Inputs:
     def flags_of(self, names) -> dict:
         return {name: self.flags[name] for name in names}
 
-    def tiles(self) -> torch.Tensor:
-        """A ``[chunks, H, 64, 64]`` fp32 tile per chunk and head (T, dA, Aqk)."""
-        return self.f32(self.chunks, self.heads, CHUNK, CHUNK, scale=0.01)
+    def tiles(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A ``[chunks, H, 64, 64]`` tile per chunk and head (T, dA fp32; Aqk in q's dtype,
+        as the launchers keep it)."""
+        return self.f32(self.chunks, self.heads, CHUNK, CHUNK, scale=0.01).to(dtype)
 
     def cumulative_gate(self) -> torch.Tensor:
         """A decreasing in-chunk cumsum of gates in [-0.5, 0], fp32 ``[1, T, H, D]``."""
@@ -112,7 +113,7 @@ def sweep_pairs(x: Inputs):
 
 def sweep_state(x: Inputs):
     w, qg, kd, grad_o = (0.1 * torch.randn_like(x.q) for _ in range(4))
-    aqk, cum_g = x.tiles(), x.cumulative_gate()
+    aqk, cum_g = x.tiles(x.q.dtype), x.cumulative_gate()
     grad_final = torch.zeros(1, x.heads, DIM, DIM, device="cuda")
     dv_new = torch.empty(1, x.length, x.heads, DIM, device="cuda")
     dstates = torch.empty(x.chunks, x.heads, DIM, DIM, device="cuda", dtype=torch.bfloat16)
@@ -133,7 +134,7 @@ def sweep_recurrence(x: Inputs):
     they fit (``scan_value_columns``, ``scan_stages``); at H = 96 that is 128 columns at 2
     stages, where 64 columns at 3 stages run two waves of shorter steps."""
     w, u, qg, kd = (0.1 * torch.randn_like(x.q) for _ in range(4))
-    aqk = x.tiles().to(x.q.dtype)
+    aqk = x.tiles(x.q.dtype)
     chunk_decay = -torch.rand(x.chunks, x.heads, DIM, device="cuda")
     o = torch.empty_like(x.q)
     final_state = torch.empty(1, x.heads, DIM, DIM, device="cuda")
@@ -152,7 +153,7 @@ def sweep_prepare(x: Inputs):
     """Kernel 1 as the training forward launches it (no G stored)."""
     v = torch.randn_like(x.q)
     w, u, qg, kd = (torch.empty_like(x.q) for _ in range(4))
-    aqk, solve = x.tiles(), x.tiles()
+    aqk, solve = x.tiles(x.q.dtype), x.tiles()
     chunk_decay = torch.empty(x.chunks, x.heads, DIM, device="cuda")
     q_norm, k_norm = (torch.empty(1, x.length, x.heads, device="cuda") for _ in range(2))
     for warps in (4, 8, 16):
