@@ -166,6 +166,17 @@ def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
 
 
 @triton.jit
+def _reloaded(A_log, dt_bias, rate, bias, i_hv, offs_k, mask_k, K: tl.constexpr,
+              SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+              RELOAD: tl.constexpr):  # fmt: skip
+    """``gate_parameters`` loaded again with ``RELOAD``, else ``rate`` and ``bias``."""
+    if RELOAD:
+        rate, bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                     USE_GATE, HAS_DT_BIAS)  # fmt: skip
+    return rate, bias
+
+
+@triton.jit
 def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constexpr,
                   ROWS: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
                   HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
@@ -553,6 +564,9 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
                                         mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
     gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
                                            USE_GATE, HAS_DT_BIAS)
+    # The launch that also keeps T (the backward's kernel 1) reloads them for each row block:
+    # held across the blocks they spill there (sm_90, Triton 3.6: 0 -> 64 bytes of stack).
+    reload = solve is not None
 
     decay0 = tl.zeros([BK], dtype=tl.float32)
     _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
@@ -564,6 +578,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
         g1, q1, k1, v1, beta1, gate_rate, gate_bias, scale, lower_bound, start, remaining, 1,
         i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
@@ -576,6 +592,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
         g2, q2, k2, v2, beta2, gate_rate, gate_bias, scale, lower_bound, start, remaining, 2,
         i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
@@ -591,6 +609,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
         g3, q3, k3, v3, beta3, gate_rate, gate_bias, scale, lower_bound, start, remaining, 3,
         i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
