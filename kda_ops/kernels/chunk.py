@@ -146,22 +146,52 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
 
 
 @triton.jit
-def activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k,
-                  K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-                  SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                  USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Activated log-decay of ROWS rows (``raw_g`` [ROWS, BK], or [ROWS] for a scalar
-    gate), [ROWS, BK] fp32; 0 on padding rows."""
-    b_g = raw_g.to(tl.float32)
-    if SCALAR_GATE:
-        b_g = b_g[:, None] + tl.zeros([ROWS, BK], dtype=tl.float32)
+def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
+                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                    HAS_DT_BIAS: tl.constexpr):  # fmt: skip
+    """Value head i_hv's gate parameters for ``activate_gate``: the rate e^{A_log} (fp32)
+    and dt_bias (fp32 ``[BK]``, a scalar for a scalar gate; 0 without). A program loads
+    them once, before its first store: a load after a store the compiler cannot prove
+    apart waits for its own round trip."""
+    rate = 0.0
+    bias = 0.0
     if USE_GATE:
         rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
         if HAS_DT_BIAS:
             if SCALAR_GATE:
-                b_g += tl.load(dt_bias + i_hv).to(tl.float32)
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
             else:
-                b_g += tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)[None, :]
+                bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
+    return rate, bias
+
+
+@triton.jit
+def _reloaded(A_log, dt_bias, rate, bias, i_hv, offs_k, mask_k, K: tl.constexpr,
+              SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+              RELOAD: tl.constexpr):  # fmt: skip
+    """``gate_parameters`` loaded again with ``RELOAD``, else ``rate`` and ``bias``."""
+    if RELOAD:
+        rate, bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                     USE_GATE, HAS_DT_BIAS)  # fmt: skip
+    return rate, bias
+
+
+@triton.jit
+def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constexpr,
+                  ROWS: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                  HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Activated log-decay of ROWS rows (``raw_g`` [ROWS, BK], or [ROWS] for a scalar
+    gate) given ``gate_parameters``' ``rate`` and ``bias``, [ROWS, BK] fp32; 0 on padding
+    rows."""
+    b_g = raw_g.to(tl.float32)
+    if SCALAR_GATE:
+        b_g = b_g[:, None] + tl.zeros([ROWS, BK], dtype=tl.float32)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            if SCALAR_GATE:
+                b_g += bias
+            else:
+                b_g += bias[None, :]
         b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
     return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
 
@@ -266,7 +296,7 @@ def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound, start,
+def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
                 remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g,
                 q_norm, k_norm, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                 SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
@@ -288,8 +318,8 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, A_log, dt_bias, scale, lower_bound
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    b_g = activate_gate(raw_g, A_log, dt_bias, lower_bound, in_seq, i_hv, offs_k, mask_k, K, BK,
-                        BLOCK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
+                        SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
     local = tl.cumsum(b_g, axis=0)  # padding rows add no decay
     block_decay = tl.sum(b_g, axis=0)
     rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
@@ -532,10 +562,15 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
                                         mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
     g3, q3, k3, v3, beta3 = _load_block(q, k, v, g, beta, start, remaining, 3, i_h, i_hv, offs_k,
                                         mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                           USE_GATE, HAS_DT_BIAS)
+    # The launch that also keeps T (the backward's kernel 1) reloads them for each row block:
+    # held across the blocks they spill there (sm_90, Triton 3.6: 0 -> 64 bytes of stack).
+    reload = solve is not None
 
     decay0 = tl.zeros([BK], dtype=tl.float32)
     _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
-        g0, q0, k0, v0, beta0, A_log, dt_bias, scale, lower_bound, start, remaining, 0,
+        g0, q0, k0, v0, beta0, gate_rate, gate_bias, scale, lower_bound, start, remaining, 0,
         i_hv, decay0, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
@@ -543,8 +578,10 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
-        g1, q1, k1, v1, beta1, A_log, dt_bias, scale, lower_bound, start, remaining, 1,
+        g1, q1, k1, v1, beta1, gate_rate, gate_bias, scale, lower_bound, start, remaining, 1,
         i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
@@ -555,8 +592,10 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
-        g2, q2, k2, v2, beta2, A_log, dt_bias, scale, lower_bound, start, remaining, 2,
+        g2, q2, k2, v2, beta2, gate_rate, gate_bias, scale, lower_bound, start, remaining, 2,
         i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
@@ -570,8 +609,10 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
     k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
-        g3, q3, k3, v3, beta3, A_log, dt_bias, scale, lower_bound, start, remaining, 3,
+        g3, q3, k3, v3, beta3, gate_rate, gate_bias, scale, lower_bound, start, remaining, 3,
         i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)

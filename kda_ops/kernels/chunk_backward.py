@@ -112,6 +112,7 @@ from kda_ops.kernels.chunk import (
     activate_gate,
     beta_rows,
     dyadic_level,
+    gate_parameters,
     inverse_norm,
     locate_chunk,
     prepare_chunks,
@@ -868,10 +869,11 @@ def chunk_bwd_recompute_kernel(
         raw_g = tl.load(g + tokens * HV + i_hv, mask=rows_in, other=0.0)
     else:
         raw_g = tl.load(g + key_offsets, mask=mask_k, other=0.0)
+    gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, offs_k < K, K,
+                                           SCALAR_GATE, USE_GATE, HAS_DT_BIAS)  # fmt: skip
     decay = tl.cumsum(
-        activate_gate(raw_g, A_log, dt_bias, lower_bound, rows_in, i_hv, offs_k,
-                      offs_k < K, K, BK, 64, SCALAR_GATE, USE_GATE, HAS_DT_BIAS,
-                      USE_LOWER_BOUND),
+        activate_gate(raw_g, gate_rate, gate_bias, lower_bound, rows_in, offs_k < K, BK, 64,
+                      SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
         axis=0,
     )  # fmt: skip
     tl.store(cum_g + key_offsets, decay, mask=mask_k)
