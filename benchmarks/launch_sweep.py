@@ -130,9 +130,9 @@ def sweep_state(x: Inputs):
 
 def sweep_recurrence(x: Inputs):
     """The inference forward's recurrence (outputs, no chunk states). The launcher takes
-    the fewest value columns that leave every program an SM of its own and 3 stages where
-    they fit (``scan_value_columns``, ``scan_stages``); at H = 96 that is 128 columns at 2
-    stages, where 64 columns at 3 stages run two waves of shorter steps."""
+    the fewest value columns that leave every program an SM of its own, else 64 where
+    those get 3 stages (``scan_value_columns``, ``scan_stages``): at H = 96, 64 columns at
+    3 stages in two waves of programs."""
     w, u, qg, kd = (0.1 * torch.randn_like(x.q) for _ in range(4))
     aqk = x.tiles(x.q.dtype)
     chunk_decay = -torch.rand(x.chunks, x.heads, DIM, device="cuda")

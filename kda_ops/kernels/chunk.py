@@ -771,20 +771,25 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     return 3 if 3 * stage + itemsize * block_k * block_v <= shared_memory else 2
 
 
-def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device) -> int:
+def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device,
+                       three_stages_at_64: bool) -> int:  # fmt: skip
     """Value columns per program of a head-parallel scan over the chunks (this forward's
     recurrence, the backward's reverse scan): the fewest that still leave every program
-    an SM of its own, at most 128. Each program walks all chunks serially, so splitting V
-    only pays while SMs are idle (H200, T = 8192, forward, 4 warps: H = 64 takes 371 µs
-    at 64 columns and 660 µs at 128; H = 96 takes 602 µs at 128 and 685 µs at 64). Off
-    CUDA (the interpreter) 32, so that CI covers several value blocks."""
+    an SM of its own; where none does, 64 if a scan at 64 columns runs 3 stages
+    (``three_stages_at_64``, from :func:`scan_stages`), else 128. Each program walks all
+    chunks serially, so splitting V pays while SMs are idle, and a step at 64 columns a
+    chunk ahead beats one at 128 waiting for its loads even in two waves (H200, T = 8192,
+    bf16, 4 warps, the recurrence alone: H = 64 takes 242 µs at 64 columns, 3 stages;
+    H = 96 516 µs at 64 columns, 3 stages, 571 at 128, 2 stages; 685 at 64 columns,
+    2 stages, hence 128 without the third stage). Off CUDA (the interpreter) 32, so that
+    CI covers several value blocks."""
     if device.type != "cuda":
         return min(block_v, 32)
     sm_count = processors(device)
     for columns in (32, 64):
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
-    return min(block_v, 128)
+    return min(block_v, 64 if three_stages_at_64 else 128)
 
 
 def launch_chunk_kda(
@@ -924,9 +929,10 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     head_v = u.shape[-1]
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
-    split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device)
-    stages = scan_stages(block_k, split_v, w.element_size(), aqk.element_size(),
-                         o is not None, shared_memory(u.device))  # fmt: skip
+    tiles = (w.element_size(), aqk.element_size(), o is not None, shared_memory(u.device))
+    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device, three_stages_at_64)
+    stages = scan_stages(block_k, split_v, *tiles)
     chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,

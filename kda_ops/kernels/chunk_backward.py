@@ -1203,13 +1203,12 @@ def launch_chunk_kda_backward(
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
-    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device)
     # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
     # are not pipelined (above).
-    stages = 1
-    if pipelined:
-        stages = scan_stages(block_k, split_v, q.element_size(), aqk.element_size(), True,
-                             shared_memory(q.device))  # fmt: skip
+    tiles = (q.element_size(), aqk.element_size(), True, shared_memory(q.device))
+    three_stages_at_64 = pipelined and scan_stages(block_k, 64, *tiles) == 3
+    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device, three_stages_at_64)
+    stages = scan_stages(block_k, split_v, *tiles) if pipelined else 1
     chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,
