@@ -49,7 +49,7 @@ from torch import Tensor
 
 from kda_ops import reference
 from kda_ops.kernels.fast_exp import fast_exp, fast_sigmoid
-from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
@@ -143,26 +143,6 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
                   other=0.0)  # fmt: skip
     r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0)
     return raw_g, r_q, r_k, r_v, r_beta
-
-
-@triton.jit
-def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
-                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                    HAS_DT_BIAS: tl.constexpr):  # fmt: skip
-    """Value head i_hv's gate parameters for ``activate_gate``: the rate e^{A_log} (fp32)
-    and dt_bias (fp32 ``[BK]``, a scalar for a scalar gate; 0 without). A program loads
-    them once, before its first store: a load after a store the compiler cannot prove
-    apart waits for its own round trip."""
-    rate = 0.0
-    bias = 0.0
-    if USE_GATE:
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        if HAS_DT_BIAS:
-            if SCALAR_GATE:
-                bias = tl.load(dt_bias + i_hv).to(tl.float32)
-            else:
-                bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0)
-    return rate, bias
 
 
 @triton.jit

@@ -112,7 +112,6 @@ from kda_ops.kernels.chunk import (
     activate_gate,
     beta_rows,
     dyadic_level,
-    gate_parameters,
     inverse_norm,
     locate_chunk,
     prepare_chunks,
@@ -124,7 +123,7 @@ from kda_ops.kernels.chunk import (
     unit_rows,
 )
 from kda_ops.kernels.fast_exp import fast_exp
-from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows

@@ -26,6 +26,26 @@ def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
+def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
+                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                    HAS_DT_BIAS: tl.constexpr):  # fmt: skip
+    """Value head i_hv's gate parameters for ``activate_gate``: the rate e^{A_log} (fp32)
+    and dt_bias (fp32 ``[BK]``, a scalar for a scalar gate; 0 without). A program loads
+    them once, before its first store: a load after a store the compiler cannot prove
+    apart waits for its own round trip."""
+    rate = 0.0
+    bias = 0.0
+    if USE_GATE:
+        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            if SCALAR_GATE:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
+            else:
+                bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    return rate, bias
+
+
+@triton.jit
 def kda_gate_kernel(
     g, A_log, dt_bias, lower_bound, n_rows, out,
     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.chunk import L2NORM_EPS
-from kda_ops.kernels.gate import gate_activation
+from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -54,13 +54,8 @@ def recurrent_kda_kernel(
     if HAS_STATE_IN:
         state = tl.load(state_in + state_offsets, mask=mask_state, other=0.0).to(tl.float32)
 
-    if USE_GATE:
-        rate = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        if HAS_DT_BIAS:
-            if SCALAR_GATE:
-                gate_bias = tl.load(dt_bias + i_hv).to(tl.float32)
-            else:
-                gate_bias = tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k).to(tl.float32)
+    rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                      USE_GATE, HAS_DT_BIAS)  # fmt: skip
 
     for t in range(0, length):
         token = bos + t
