@@ -772,6 +772,20 @@ def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device,
     return min(block_v, 64 if three_stages_at_64 else 128)
 
 
+def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
+                itemsize: int, aqk_itemsize: int, store_output: bool,
+                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+    """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
+    :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
+    there), or 1 stage where the launcher does not pipeline the loop."""
+    if not pipelined:
+        return scan_value_columns(block_v, sequence_heads, device, False), 1
+    tiles = (itemsize, aqk_itemsize, store_output, shared_memory(device))
+    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    columns = scan_value_columns(block_v, sequence_heads, device, three_stages_at_64)
+    return columns, scan_stages(block_k, columns, *tiles)
+
+
 def launch_chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -909,10 +923,8 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     head_v = u.shape[-1]
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
-    tiles = (w.element_size(), aqk.element_size(), o is not None, shared_memory(u.device))
-    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
-    split_v = scan_value_columns(block_v, n_seqs * value_heads, u.device, three_stages_at_64)
-    stages = scan_stages(block_k, split_v, *tiles)
+    split_v, stages = scan_launch(block_k, block_v, n_seqs * value_heads, u.device,
+                                  w.element_size(), aqk.element_size(), o is not None)  # fmt: skip
     chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
         w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
         o, final_state, chunk_states,
