@@ -772,6 +772,20 @@ def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device,
     return min(block_v, 64 if three_stages_at_64 else 128)
 
 
+def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
+                itemsize: int, aqk_itemsize: int, store_output: bool,
+                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+    """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
+    :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
+    there), or 1 stage where the launcher does not pipeline the loop."""
+    if not pipelined:
+        return scan_value_columns(block_v, sequence_heads, device, False), 1
+    tiles = (itemsize, aqk_itemsize, store_output, shared_memory(device))
+    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    columns = scan_value_columns(block_v, sequence_heads, device, three_stages_at_64)
+    return columns, scan_stages(block_k, columns, *tiles)
+
+
 def scan_launches(block_v: int, sequence_heads: int, columns: int,
                   sm_count: int) -> list[tuple[int, int, int]]:  # fmt: skip
     """(first sequence-head, sequence-heads, value columns) of each launch of a scan that
@@ -927,10 +941,9 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     head_v = u.shape[-1]
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
-    tiles = (w.element_size(), aqk.element_size(), o is not None, shared_memory(u.device))
-    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
     sequence_heads = n_seqs * value_heads
-    columns = scan_value_columns(block_v, sequence_heads, u.device, three_stages_at_64)
+    tiles = (w.element_size(), aqk.element_size(), o is not None)
+    columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
     launches = scan_launches(block_v, sequence_heads, columns, processors(u.device))
     for first_head, heads, split_v in launches:
         chunk_recurrence_kernel[(cdiv(state_width, split_v), heads)](
@@ -939,7 +952,8 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-            STORE_OUTPUT=o is not None, STAGES=scan_stages(block_k, split_v, *tiles),
+            STORE_OUTPUT=o is not None,
+            STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
             num_warps=4,
         )  # fmt: skip
 

@@ -117,14 +117,13 @@ from kda_ops.kernels.chunk import (
     prepare_chunks,
     prepare_flags,
     scan_chunks,
-    scan_stages,
-    scan_value_columns,
+    scan_launch,
     sequence_span,
     unit_rows,
 )
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_activation, gate_parameters
-from kda_ops.kernels.sizes import cdiv, next_power_of_2, shared_memory
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 
@@ -1204,10 +1203,9 @@ def launch_chunk_kda_backward(
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
     # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
     # are not pipelined (above).
-    tiles = (q.element_size(), aqk.element_size(), True, shared_memory(q.device))
-    three_stages_at_64 = pipelined and scan_stages(block_k, 64, *tiles) == 3
-    split_v = scan_value_columns(block_v, n_seqs * value_heads, q.device, three_stages_at_64)
-    stages = scan_stages(block_k, split_v, *tiles) if pipelined else 1
+    split_v, stages = scan_launch(block_k, block_v, n_seqs * value_heads, q.device,
+                                  q.element_size(), aqk.element_size(), True,
+                                  pipelined)  # fmt: skip
     chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
         w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
         dv_new, dstates, d_initial,

@@ -29,10 +29,11 @@ def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
 def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
                     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
                     HAS_DT_BIAS: tl.constexpr):  # fmt: skip
-    """Value head i_hv's gate parameters for ``activate_gate``: the rate e^{A_log} (fp32)
-    and dt_bias (fp32 ``[BK]``, a scalar for a scalar gate; 0 without). A program loads
-    them once, before its first store: a load after a store the compiler cannot prove
-    apart waits for its own round trip."""
+    """Value head i_hv's gate parameters for :func:`gate_activation` (the chunk kernels'
+    ``activate_gate``, the recurrent kernel): the rate e^{A_log} (fp32) and dt_bias (fp32
+    ``[BK]``, a scalar for a scalar gate; 0 without). A program loads them once, before
+    its first store: a load after a store the compiler cannot prove apart waits for its
+    own round trip."""
     rate = 0.0
     bias = 0.0
     if USE_GATE:
