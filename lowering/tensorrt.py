@@ -258,8 +258,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
     block_k, block_v, precision = _chunk_blocks(config)
     split_v = min(block_v, 64)
     itemsize = getattr(torch, config.get("dtype") or "float32").itemsize
-    return dict(HV=config["value_heads"], K=config["head_k"], V=config["head_v"],
-                WIDTH=config["head_v"], BK=block_k, BV=split_v,
+    return dict(first_head=0, HV=config["value_heads"], K=config["head_k"],
+                V=config["head_v"], WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,

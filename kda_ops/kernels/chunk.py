@@ -632,13 +632,13 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
 @triton.jit
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
-    o, final_state, chunk_states,
+    first_head, o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(0), first_head + tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
@@ -786,6 +786,24 @@ def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.d
     return columns, scan_stages(block_k, columns, *tiles)
 
 
+def scan_launches(block_v: int, sequence_heads: int, columns: int,
+                  sm_count: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """(first sequence-head, sequence-heads, value columns) of each launch of a scan that
+    takes ``columns`` (``scan_value_columns``) on ``sm_count`` SMs: one launch, unless its
+    programs need more than one wave and the heads past the first wave fit one wave at
+    half the columns; then those run in a second launch at half the columns, shorter
+    steps in place of a second wave of full ones (H200, T = 8192, bf16, 3 stages, 4 warps,
+    one wave: a program at 64 columns 242 µs, at 32 about 184; H = 96, one launch at 64
+    columns in two waves: 507 µs)."""
+    per_head = cdiv(block_v, columns)
+    first_wave = sm_count // per_head
+    rest = sequence_heads - first_wave
+    half = columns // 2
+    if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= sm_count:
+        return [(0, first_wave, columns), (first_wave, rest, half)]
+    return [(0, sequence_heads, columns)]
+
+
 def launch_chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -923,16 +941,21 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     head_v = u.shape[-1]
     block_k = max(16, next_power_of_2(head_k))
     block_v = max(16, next_power_of_2(state_width))
-    split_v, stages = scan_launch(block_k, block_v, n_seqs * value_heads, u.device,
-                                  w.element_size(), aqk.element_size(), o is not None)  # fmt: skip
-    chunk_recurrence_kernel[(cdiv(state_width, split_v), n_seqs * value_heads)](
-        w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
-        o, final_state, chunk_states,
-        HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
-        HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-        STORE_OUTPUT=o is not None, STAGES=stages, num_warps=4,
-    )  # fmt: skip
+    sequence_heads = n_seqs * value_heads
+    tiles = (w.element_size(), aqk.element_size(), o is not None)
+    columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
+    launches = scan_launches(block_v, sequence_heads, columns, processors(u.device))
+    for first_head, heads, split_v in launches:
+        chunk_recurrence_kernel[(cdiv(state_width, split_v), heads)](
+            w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
+            first_head, o, final_state, chunk_states,
+            HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
+            HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
+            STORE_OUTPUT=o is not None,
+            STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
+            num_warps=4,
+        )  # fmt: skip
 
 
 def _segmented_recurrence(intermediates, initial_state, batch, length, segments, o,

@@ -148,7 +148,8 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
 }  # fmt: skip
 ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dweight_parts": "*fp32", "dbias_parts": "*fp32", "A_log": "*fp32",
-             "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "n_seqs": "i32",
+             "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "first_head": "i32",
+             "n_seqs": "i32",
              "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
              "chunk_offsets": "*i32", "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
