@@ -106,16 +106,18 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 
 @triton.jit
-def inverse_unit_lower(a):
+def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr):
     """(I + a)⁻¹ for a strictly lower-triangular [BLOCK, BLOCK] fp32 a. With m = -a
     nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
-    six small dots instead of BLOCK dependent row updates."""
+    six small dots instead of BLOCK dependent row updates. In ``DOT_PRECISION``: tf32 on
+    tensor cores for bf16 / fp16 inputs (as the solve that uses the inverse), which moves
+    their output by ~5e-5, well under its rounding; fp32 inputs keep FMA ("ieee")."""
     rows = tl.arange(0, BLOCK)
     power = -a
     inverse = (rows[:, None] == rows[None, :]).to(tl.float32) + power
     for _ in tl.static_range(LOG2_BLOCK - 1):
-        power = tl.dot(power, power, input_precision="ieee")
-        inverse += tl.dot(inverse, power, input_precision="ieee")
+        power = tl.dot(power, power, input_precision=DOT_PRECISION)
+        inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
     return inverse
 
 
@@ -554,7 +556,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         i_hv, decay0, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
-    t00 = inverse_unit_lower(a0)  # off the elimination chain
+    t00 = inverse_unit_lower(a0, DOT_PRECISION)  # off the elimination chain
     w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
                           offs_v, mask_v, HV, K, V, DOT_PRECISION)
 
@@ -565,7 +567,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
-    t11 = inverse_unit_lower(a1)
+    t11 = inverse_unit_lower(a1, DOT_PRECISION)
     rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
                                 rhs_w1, rhs_u1, aqk, solve, square + tile, scale,
                                 DOT_PRECISION, True)
@@ -579,7 +581,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
-    t22 = inverse_unit_lower(a2)
+    t22 = inverse_unit_lower(a2, DOT_PRECISION)
     rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
                                 rhs_w2, rhs_u2, aqk, solve, square + 2 * tile, scale,
                                 DOT_PRECISION, False)
@@ -596,7 +598,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
         USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
         DOT_PRECISION)
-    t33 = inverse_unit_lower(a3)
+    t33 = inverse_unit_lower(a3, DOT_PRECISION)
     rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
                                 rhs_w3, rhs_u3, aqk, solve, square + 3 * tile, scale,
                                 DOT_PRECISION, False)
