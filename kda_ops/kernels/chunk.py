@@ -126,9 +126,10 @@ def block_cumsum(b_g, BK: tl.constexpr):
     """(cumulative sum over the rows of a [BLOCK, BK] fp32 tile, its total [BK]), from
     one scan over the tile followed by BLOCK zero rows, whose sums are all the total.
     The same as ``tl.cumsum`` and ``tl.sum`` over the rows, whose tile spreads them over
-    the warps: joined with its zeros, each row's partner sits in the same thread, and the
+    the warps: joined with its zeros, each row's partner sits in the same thread. The
     safe-gate prepare kernel compiles to 4456 sm_90 instructions a thread instead of 5152
-    and runs its forward at H = 64 in 0.86 × the time (H200, ``ab.py``)."""
+    with those two, and the forward at H = 64 takes 0.87 × the time (H200, ``ab.py``:
+    1284.7 against 1482.6 µs)."""
     padded = tl.reshape(tl.permute(tl.join(b_g, tl.zeros_like(b_g)), (2, 0, 1)), [2 * BLOCK, BK])
     sums = tl.permute(tl.reshape(tl.cumsum(padded, axis=0), [2, BLOCK, BK]), (1, 2, 0))
     local, totals = tl.split(sums)
