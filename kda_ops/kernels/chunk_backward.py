@@ -111,6 +111,7 @@ from kda_ops.kernels.chunk import (
     LOG2_BLOCK,
     activate_gate,
     beta_rows,
+    block_cumsum,
     dyadic_level,
     inverse_norm,
     locate_chunk,
@@ -869,10 +870,11 @@ def chunk_bwd_recompute_kernel(
         raw_g = tl.load(g + key_offsets, mask=mask_k, other=0.0)
     gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, offs_k < K, K,
                                            SCALAR_GATE, USE_GATE, HAS_DT_BIAS)  # fmt: skip
-    decay = tl.cumsum(
+    # Padding rows add no decay: the total is G at the last row, Γ_C.
+    decay, decay_last = block_cumsum(
         activate_gate(raw_g, gate_rate, gate_bias, lower_bound, rows_in, offs_k < K, BK, 64,
                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
-        axis=0,
+        64, BK,
     )  # fmt: skip
     tl.store(cum_g + key_offsets, decay, mask=mask_k)
     from_start = fast_exp(decay)
@@ -884,8 +886,6 @@ def chunk_bwd_recompute_kernel(
                             USE_L2NORM)  # fmt: skip
     # Γ_C from this G, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range)
     # an ulp of G is ~1e-5, and G's rounding cancels only within one summation.
-    last = tl.minimum(remaining, 64) - 1
-    decay_last = tl.sum(tl.where(rows[:, None] == last, decay, 0.0), axis=0)
     b_kd = r_k * fast_exp(decay_last[None, :] - decay)
     tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
     # T's tiles above the diagonal are never written; inside the diagonal ones the
