@@ -870,7 +870,8 @@ def chunk_bwd_recompute_kernel(
         raw_g = tl.load(g + key_offsets, mask=mask_k, other=0.0)
     gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, offs_k < K, K,
                                            SCALAR_GATE, USE_GATE, HAS_DT_BIAS)  # fmt: skip
-    # Padding rows add no decay: the total is G at the last row, Γ_C.
+    # Padding rows add no decay, so the total is Γ_C: G at the last row, from the same
+    # scan (its own order of additions, so equal to that row up to fp32 rounding).
     decay, decay_last = block_cumsum(
         activate_gate(raw_g, gate_rate, gate_bias, lower_bound, rows_in, offs_k < K, BK, 64,
                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
@@ -884,7 +885,7 @@ def chunk_bwd_recompute_kernel(
              mask=mask_k)  # fmt: skip
     r_k = _load_normed_rows(k, k_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k,
                             USE_L2NORM)  # fmt: skip
-    # Γ_C from this G, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range)
+    # Γ_C from this scan, not kernel 1's chunk decays: at |G| ~ 100 (the safe gate's range)
     # an ulp of G is ~1e-5, and G's rounding cancels only within one summation.
     b_kd = r_k * fast_exp(decay_last[None, :] - decay)
     tl.store(kd + key_offsets, b_kd.to(kd.dtype.element_ty), mask=mask_k)
