@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import kernels, reference
+from kda_ops import arguments, kernels, reference
 from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
 
 
@@ -156,7 +156,9 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
 
 def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
                          *_grad_kept: Optional[Tensor]):  # fmt: skip
-    primals, kept = ctx.saved_tensors[:_PRIMALS], list(ctx.saved_tensors[_PRIMALS:])
+    # Read once: under torch.utils.checkpoint each read of saved_tensors unpacks (recomputes).
+    saved = ctx.saved_tensors
+    primals, kept = saved[:_PRIMALS], list(saved[_PRIMALS:])
     q, v, cu_seqlens = primals[0], primals[2], primals[-1]
     if grad_o is None:  # an output the loss does not use: o is v-shaped, in v's dtype
         grad_o = torch.zeros_like(v)
@@ -533,6 +535,33 @@ def _gate_args(
     return A_log, dt_bias, None if lower_bound is None else float(lower_bound)
 
 
+def _fla_inputs(
+    check: ArgumentChecker,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    g: Tensor,
+    use_gate_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], bool]:
+    """FLA's accepted forms (``kda_ops.arguments``) as the ops' inputs: ``(q, k, v, beta,
+    A_log, dt_bias, use_beta_sigmoid)``, q / k / v in one dtype."""
+    dtype = arguments.common_dtype(q, k, v)
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    A_log, dt_bias = arguments.gate_tensors(check, use_gate_in_kernel, A_log, dt_bias,
+                                            lower_bound, g)  # fmt: skip
+    if isinstance(beta, Tensor):
+        beta, use_beta_sigmoid = arguments.beta_for_kernel(check, beta, use_beta_sigmoid,
+                                                           allow_neg_eigval)  # fmt: skip
+    return q, k, v, beta, A_log, dt_bias, use_beta_sigmoid
+
+
 def chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -545,58 +574,94 @@ def chunk_kda(
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+    cp_context: None = None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    *,
     A_log: Optional[Tensor] = None,
     dt_bias: Optional[Tensor] = None,
-    lower_bound: Optional[float] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    safe_gate: bool = False,
-    return_intermediate_states: bool = False,
-    disable_recompute: bool = False,
+    chunk_size: int = 64,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Tensor, Optional[Tensor]] | tuple[Tensor, Optional[Tensor], Tensor]:
-    """Chunkwise KDA / Gated DeltaNet (prefill and training), like ``fla.ops.kda.chunk_kda``.
+    """Chunkwise KDA / Gated DeltaNet (prefill and training): ``fla.ops.kda.chunk_kda``'s
+    signature, positional order and meaning.
 
     Args:
-        q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64 (one dtype with v).
+        q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64; q, k and v of
+            different dtypes are computed in the widest of them.
         v: ``[B, T, HV, V]`` with ``HV % H == 0``; value head ``hv`` reads q/k head
             ``hv // (HV // H)``. K, V <= 256.
         g: log-decay ``[B, T, HV, K]`` (KDA) or ``[B, T, HV]`` (Gated DeltaNet), or the raw
             gate with ``use_gate_in_kernel``.
         beta: ``[B, T, HV]``, post-sigmoid unless ``use_beta_sigmoid_in_kernel``.
         scale: query scale, default ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` float32 (float64 for float64 inputs).
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any
+            float dtype; computed in float32 (float64 for float64 inputs).
         output_final_state: return the final state (else ``None``).
         use_qk_l2norm_in_kernel: divide q and k by ``sqrt(sum(x²) + 1e-6)`` first.
         use_gate_in_kernel: g is raw; the log-decay is ``kda_gate(g, A_log, dt_bias,
-            lower_bound)``.
+            lower_bound)``. Without it ``A_log``, ``dt_bias`` and ``lower_bound`` are
+            ignored, as in FLA.
         use_beta_sigmoid_in_kernel: apply sigmoid to beta.
-        A_log: ``[HV]`` float32; dt_bias: ``[HV * K]`` (``[HV]`` for GDN) float32.
+        allow_neg_eigval: beta is ``2 * sigmoid(beta)`` (needs
+            ``use_beta_sigmoid_in_kernel``).
+        safe_gate: FLA's hint that ``lower_bound`` lies in [-5, 0) (checked with
+            ``use_gate_in_kernel``); kda_ops picks its kernels from ``lower_bound`` itself.
         lower_bound: negative lower bound of the safe gate (Kimi K3 uses -5).
-        cu_seqlens: int32/int64 ``[N + 1]`` packed-sequence offsets; needs ``B == 1``.
-        safe_gate: FLA's hint that ``lower_bound`` lies in [-5, 0); checked, else unused.
-        return_intermediate_states: also return h, the state at the start of every chunk
-            of 64 tokens (FLA's option; inference only: no input may require grad while
-            grad mode is on).
         disable_recompute: FLA's option to keep more of the forward for the backward.
             When autograd records the call (CUDA), the forward runs the backward's first
-            kernel and keeps its Aqk (q's dtype), T (fp32) and the chunk-start states
-            (q's dtype; together about 0.47 GB at B = 1, T = 8192, HV = 64, K = V = 128,
-            bf16), from which and the inputs the backward rebuilds G, w, qg, kd with a
-            cumsum and a whole-chunk product; with ``disable_recompute=True`` it keeps
-            those too (about 1.4 GB there) and uses them as the backward's scratch, so
-            that graph can be backpropagated once (a second backward with
-            ``retain_graph=True`` raises); timings and peaks on an H200 in
-            ``benchmarks/README.md``. Without autograd, and off CUDA, it changes nothing.
+            kernel and keeps its Aqk, T and the chunk-start states, from which the
+            backward rebuilds the rest; with ``disable_recompute=True`` it keeps those
+            too and uses them as the backward's scratch, so that graph can be
+            backpropagated once (a second backward with ``retain_graph=True`` raises).
+            Without autograd, and off CUDA, it changes nothing.
+        return_intermediate_states: also return h, the state at the start of every chunk
+            of 64 tokens (inference only: no input may require grad while grad mode is on).
+        state_v_first: states (initial, final, h) are ``[..., V, K]``, the layout of
+            SGLang's and vLLM's pools.
+        cu_seqlens: int32/int64 ``[N + 1]`` packed-sequence offsets; needs ``B == 1``.
+        cu_seqlens_cpu: a host copy of ``cu_seqlens``; with it, h has exactly FLA's
+            ``sum(ceil(len_n / 64))`` rows (without it, an upper bound, below).
+        cp_context: FLA's context parallelism; not supported (``kda_ops.distributed``).
+        use_graph, max_num_seqs: FLA's CUDA-graph mode for packed sequences. kda_ops'
+            kernels read ``cu_seqlens`` on the device only, so every call can be captured;
+            ``max_num_seqs`` is checked against ``cu_seqlens``.
+        A_log: ``[HV]`` float32 (any shape holding HV values); ``None`` with
+            ``lower_bound`` means the gate ``lower_bound * sigmoid(g + dt_bias)``.
+        dt_bias: ``[HV * K]`` (``[HV]`` for GDN) float32, or ``[HV, K]``.
+        chunk_size: 32 or 64 (FLA's choices; the result is the same, kda_ops runs 64).
+        transpose_state_layout: FLA's deprecated name of ``state_v_first``.
 
     Returns:
-        o ``[B, T, HV, V]`` in v's dtype, and the final state ``[N, HV, K, V]`` (float32,
-        float64 for float64 inputs) or ``None``. With ``return_intermediate_states``, a
-        third value h in the state dtype: ``[B, NT, HV, K, V]`` with ``NT = ceil(T / 64)``
-        and ``h[b, c]`` the state of sequence b before token ``64 c`` (``h[:, 0]`` is the
-        initial state); with ``cu_seqlens``, ``[1, T // 64 + N, HV, K, V]`` where sequence
-        n's chunks are rows ``chunk_offsets(cu_seqlens)[n]`` to ``[n + 1]`` (exclusive)
-        and the rows from ``chunk_offsets(cu_seqlens)[N]`` on are zero (the row count is
-        an upper bound, so no host sync is needed).
+        o ``[B, T, HV, V]`` in v's dtype, and the final state (float32, float64 for float64
+        inputs) or ``None``. With ``return_intermediate_states``, a third value h in q's
+        dtype: ``[B, NT, HV, K, V]`` with ``NT = ceil(T / 64)`` and ``h[b, c]`` the state
+        of sequence b before token ``64 c`` (``h[:, 0]`` is the initial state); with
+        ``cu_seqlens``, ``[1, R, HV, K, V]`` where sequence n's chunks are rows
+        ``chunk_offsets(cu_seqlens)[n]`` to ``[n + 1]`` (exclusive); ``R`` is
+        ``sum(ceil(len_n / 64))`` given ``cu_seqlens_cpu``, else the upper bound
+        ``T // 64 + N`` (no host sync) with zero rows past the last chunk.
     """
+    check = ArgumentChecker("chunk_kda")
+    arguments.no_context_parallel(check, cp_context)
+    arguments.chunk_size(check, chunk_size, return_intermediate_states is True)
+    arguments.host_seqlens(check, cu_seqlens_cpu, cu_seqlens)
+    _check_graph_mode(check, use_graph, max_num_seqs, cu_seqlens)
+    v_first = arguments.state_v_first(check, state_v_first, transpose_state_layout)
+    initial_state = arguments.initial_state(arguments.key_first(initial_state, v_first), q)
+    output_dtype = v.dtype if isinstance(v, Tensor) else None
+    q, k, v, beta, A_log, dt_bias, use_beta_sigmoid = _fla_inputs(
+        check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
     check_delta_rule(
         "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
@@ -604,22 +669,43 @@ def chunk_kda(
     gate = _gate_args("chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     args = (
         q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
     intermediate = _check_return_intermediate_states(return_intermediate_states, args[:8])
     if _trains(disable_recompute, intermediate, args[:8]):
         o, final_state, _ = chunk_train_op(*args, disable_recompute)
-        return o, final_state if output_final_state else None
-    if not intermediate:
+    elif not intermediate:
         o, final_state = chunk_op(*args)
-        return o, final_state if output_final_state else None
-    o, final_state, chunk_states = chunk_states_op(*args)
+    else:
+        o, final_state, chunk_states = chunk_states_op(*args)
+    o = o.to(output_dtype)
+    final_state = arguments.caller_layout(final_state, v_first) if output_final_state else None
+    if not intermediate:
+        return o, final_state
     if cu_seqlens is None:
         h = chunk_states.unflatten(0, (q.shape[0], chunk_states.shape[0] // q.shape[0]))
     else:
+        if cu_seqlens_cpu is not None:
+            chunk_states = chunk_states[: int(reference.chunk_offsets(cu_seqlens_cpu)[-1])]
         h = chunk_states.unsqueeze(0)
-    return o, final_state if output_final_state else None, h
+    return o, final_state, arguments.caller_layout(h.to(q.dtype), v_first)
+
+
+def _check_graph_mode(
+    check: ArgumentChecker, use_graph: object, max_num_seqs: object, cu_seqlens: object
+) -> None:
+    """FLA's ``use_graph`` / ``max_num_seqs``: accepted (kda_ops' launches are capturable
+    as they are); ``max_num_seqs`` must be the number of sequences ``cu_seqlens`` holds."""
+    if not isinstance(use_graph, bool):
+        check.fail(TypeError, f"`use_graph` must be a bool, got {type(use_graph).__name__}")
+    if max_num_seqs is None:
+        return
+    if isinstance(cu_seqlens, Tensor) and max_num_seqs != cu_seqlens.shape[0] - 1:
+        check.fail(
+            ValueError,
+            f"`max_num_seqs` ({max_num_seqs}) must equal the sequences in `cu_seqlens` "
+            f"({cu_seqlens.shape[0] - 1}): pad `cu_seqlens` with empty sequences",
+        )
 
 
 def _check_return_intermediate_states(flag: object, inputs: tuple[Optional[Tensor], ...]) -> bool:
@@ -670,14 +756,27 @@ def fused_recurrent_kda(
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     lower_bound: Optional[float] = None,
+    state_v_first: bool = False,
     cu_seqlens: Optional[Tensor] = None,
+    *,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Token-recurrent KDA / Gated DeltaNet (decode), like ``fla.ops.kda.fused_recurrent_kda``
-    (FLA's argument order: ``A_log`` and ``dt_bias`` follow ``beta``).
+    """Token-recurrent KDA / Gated DeltaNet (decode): ``fla.ops.kda.fused_recurrent_kda``'s
+    signature and positional order (``A_log`` and ``dt_bias`` follow ``beta``).
 
-    Same arguments, shapes and results as :func:`chunk_kda`; differentiable too.
+    Same arguments, shapes and results as :func:`chunk_kda`; differentiable too. A
+    V-first ``initial_state`` is read in place by the CUDA kernel (no transposed copy).
     """
+    check = ArgumentChecker("fused_recurrent_kda")
+    v_first = arguments.state_v_first(check, state_v_first, transpose_state_layout)
+    initial_state = arguments.initial_state(arguments.key_first(initial_state, v_first), q)
+    output_dtype = v.dtype if isinstance(v, Tensor) else None
+    q, k, v, beta, A_log, dt_bias, use_beta_sigmoid = _fla_inputs(
+        check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
     check_delta_rule(
         "fused_recurrent_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
@@ -686,10 +785,10 @@ def fused_recurrent_kda(
     gate = _gate_args("fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound)
     o, final_state = recurrent_op(
         q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
-    return o, final_state if output_final_state else None
+    final_state = arguments.caller_layout(final_state, v_first) if output_final_state else None
+    return o.to(output_dtype), final_state
 
 
 def fused_recurrent_kda_inplace(
@@ -708,13 +807,16 @@ def fused_recurrent_kda_inplace(
     use_beta_sigmoid_in_kernel: bool = False,
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
 ) -> Tensor:
     """Recurrent KDA that advances states inside a pool, for serving with CUDA graphs.
 
     Args:
-        state_pool: ``[P, HV, K, V]`` float32, or bfloat16 to halve its memory (each
-            step still runs in fp32 and rounds the state once on write-back; float64 for
-            float64 inputs), updated in place.
+        state_pool: contiguous ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``,
+            read and written in place, no transposed copy) float32, or bfloat16 to halve
+            its memory (each step still runs in fp32 and rounds the state once on
+            write-back; float64 for float64 inputs), updated in place.
         state_indices: int32/int64 ``[N]``: sequence n reads and writes slot
             ``state_indices[n]``; a negative index marks a padding sequence (zero start
             state, nothing written). Without it, ``P == N`` and slot n is sequence n.
@@ -724,17 +826,26 @@ def fused_recurrent_kda_inplace(
         o ``[B, T, HV, V]`` in v's dtype. Not differentiable.
     """
     function = "fused_recurrent_kda_inplace"
+    check = ArgumentChecker(function)
+    if isinstance(state_pool, Tensor) and not state_pool.is_contiguous():
+        check.fail(ValueError, "`state_pool` must be contiguous (it is updated in place)")
+    state_pool = arguments.key_first(state_pool, bool(state_v_first))
+    output_dtype = v.dtype if isinstance(v, Tensor) else None
+    q, k, v, beta, A_log, dt_bias, use_beta_sigmoid = _fla_inputs(
+        check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
     n_seqs = check_delta_rule(
         function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
+    check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
     gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    return recurrent_inplace_op(
+    o = recurrent_inplace_op(
         q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel,
+        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
+    return o.to(output_dtype)
 
 
 __all__ = [

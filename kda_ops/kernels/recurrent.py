@@ -30,6 +30,7 @@ def recurrent_kda_kernel(
     USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     HAS_STATE_IN: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, STORE_STEP_STATES: tl.constexpr,
+    STATE_IN_V_FIRST: tl.constexpr = False, STATE_OUT_V_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -50,9 +51,12 @@ def recurrent_kda_kernel(
         slot = tl.load(state_indices + i_n).to(tl.int64)
         mask_state = mask_state & (offs_k * 0 + slot >= 0)[:, None]
     state_offsets = (slot * HV + i_hv) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    # A pool's slots may be V-first ([V, K], SGLang's and vLLM's layout): read in place.
+    v_first_offsets = (slot * HV + i_hv) * K * V + offs_k[:, None] + offs_v[None, :] * K
     state = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_STATE_IN:
-        state = tl.load(state_in + state_offsets, mask=mask_state, other=0.0).to(tl.float32)
+        in_offsets = v_first_offsets if STATE_IN_V_FIRST else state_offsets
+        state = tl.load(state_in + in_offsets, mask=mask_state, other=0.0).to(tl.float32)
 
     rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
                                       USE_GATE, HAS_DT_BIAS)  # fmt: skip
@@ -93,7 +97,18 @@ def recurrent_kda_kernel(
                      mask=mask_k[:, None] & mask_v[None, :])  # fmt: skip
 
     if STORE_FINAL_STATE:
-        tl.store(state_out + state_offsets, state.to(state_out.dtype.element_ty), mask=mask_state)
+        out_offsets = v_first_offsets if STATE_OUT_V_FIRST else state_offsets
+        tl.store(state_out + out_offsets, state.to(state_out.dtype.element_ty), mask=mask_state)
+
+
+def is_v_first(state: Optional[Tensor]) -> bool:
+    """Whether a ``[P, HV, K, V]`` state is the transposed view of a contiguous V-first
+    ``[P, HV, V, K]`` one (else it must be contiguous)."""
+    return (
+        state is not None
+        and state.transpose(-1, -2).is_contiguous()
+        and not (state.is_contiguous())
+    )
 
 
 def launch_recurrent_kda(
@@ -115,10 +130,13 @@ def launch_recurrent_kda(
     step_states: Optional[Tensor] = None,
 ) -> Tensor:
     """Runs the recurrence; writes final states into ``state_out`` (may be ``state_in``;
-    ``None`` writes none) and, when given, the state after every token into ``step_states``
-    (contiguous ``[B, T, HV, K, V]``, fixed length only); returns o ``[B, T, HV, V]`` in v's
-    dtype. Shapes as in ``kda_ops.delta_rule``."""
+    ``None`` writes none; each ``[P, HV, K, V]``, contiguous or the transposed view of a
+    contiguous V-first ``[P, HV, V, K]``) and, when given, the state after every token
+    into ``step_states`` (contiguous ``[B, T, HV, K, V]``, fixed length only); returns
+    o ``[B, T, HV, V]`` in v's dtype. Shapes as in ``kda_ops.delta_rule``."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if state_in is not None and state_in is not state_out and not is_v_first(state_in):
+        state_in = state_in.contiguous()
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -135,6 +153,7 @@ def launch_recurrent_kda(
         USE_BETA_SIGMOID=use_beta_sigmoid, HAS_STATE_IN=state_in is not None,
         USE_INDICES=state_indices is not None, IS_VARLEN=cu_seqlens is not None,
         STORE_FINAL_STATE=state_out is not None, STORE_STEP_STATES=step_states is not None,
+        STATE_IN_V_FIRST=is_v_first(state_in), STATE_OUT_V_FIRST=is_v_first(state_out),
         num_warps=4,
     )  # fmt: skip
     return o

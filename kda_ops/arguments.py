@@ -1,0 +1,173 @@
+"""FLA's accepted argument forms, mapped onto the canonical inputs of the ``kda`` ops.
+
+fla-core 0.6.0 accepts more spellings than the ops' schemas take: ``A_log`` of any shape
+holding HV values (``[1, 1, HV, 1]``), ``dt_bias`` as ``[HV, K]``, ``A_log=None`` with a
+``lower_bound``, q / k / v of different float dtypes, initial states in half precision,
+beta scaled to (0, 2) (``allow_neg_eigval``), states stored V-first (``state_v_first``,
+the layout of SGLang's and vLLM's pools). The public functions normalize them here, before
+the argument checks, so the ops, their fakes and the kernels see one form only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops.validation import FLOAT_DTYPES, INDEX_DTYPES, ArgumentChecker
+
+CHUNK_SIZES = (32, 64)  # what FLA accepts; the kernels always run 64-token chunks
+
+
+def as_vector(x: Optional[Tensor], size: int) -> Optional[Tensor]:
+    """``x`` as ``[size]`` when it holds ``size`` values in any shape (FLA's ``A_log`` of
+    ``[1, 1, HV, 1]``, ``dt_bias`` of ``[HV, K]``); other shapes are left to the checks."""
+    if isinstance(x, Tensor) and x.dim() != 1 and x.numel() == size:
+        return x.reshape(size)
+    return x
+
+
+def gate_tensors(
+    check: ArgumentChecker,
+    use_gate_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    g: object,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(A_log [HV], dt_bias [HV * K] or [HV])`` for a gate computed in the kernel.
+
+    FLA lets ``A_log`` be ``None`` when ``lower_bound`` is set: the gate is then
+    ``lower_bound * sigmoid(g + dt_bias)``, which is the safe gate with ``A_log = 0``.
+    Without ``use_gate_in_kernel`` both pass through (the checks ignore them)."""
+    if not use_gate_in_kernel or not isinstance(g, Tensor) or g.dim() not in (3, 4):
+        return A_log, dt_bias
+    heads = g.shape[2]
+    channels = heads * (g.shape[3] if g.dim() == 4 else 1)
+    if A_log is None:
+        if lower_bound is None:
+            check.fail(
+                ValueError,
+                "`use_gate_in_kernel=True` needs `A_log` of shape (HV,) unless `lower_bound` "
+                "is set",
+            )
+        A_log = torch.zeros(heads, dtype=torch.float32, device=g.device)
+    return as_vector(A_log, heads), as_vector(dt_bias, channels)
+
+
+def common_dtype(q: object, k: object, v: object) -> Optional[torch.dtype]:
+    """The dtype q, k and v are computed in when FLA's callers mix them (q / k in fp32 with
+    v in fp16, say): the widest of the three; ``None`` when they agree or are not all
+    float tensors (then the checks report what is wrong)."""
+    tensors = (q, k, v)
+    if not all(isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES for x in tensors):
+        return None
+    dtypes = {x.dtype for x in tensors}
+    if len(dtypes) == 1:
+        return None
+    widest = q.dtype
+    for x in tensors[1:]:
+        widest = torch.promote_types(widest, x.dtype)
+    return widest
+
+
+def beta_for_kernel(
+    check: ArgumentChecker, beta: Tensor, use_beta_sigmoid: bool, allow_neg_eigval: bool
+) -> tuple[Tensor, bool]:
+    """``(beta, use_beta_sigmoid)`` for the ops. ``allow_neg_eigval`` (FLA: only with the
+    sigmoid in the kernel) scales beta to (0, 2): computed here (in fp32 at least), so the
+    ops get a post-sigmoid beta."""
+    if not allow_neg_eigval:
+        return beta, use_beta_sigmoid
+    if not use_beta_sigmoid:
+        check.fail(ValueError, "`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    return 2 * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32))), False
+
+
+def state_v_first(
+    check: ArgumentChecker, state_v_first: bool, transpose_state_layout: Optional[bool]
+) -> bool:
+    """``state_v_first``, with FLA's deprecated spelling ``transpose_state_layout``."""
+    if transpose_state_layout is None:
+        return bool(state_v_first)
+    if state_v_first:
+        check.fail(
+            ValueError,
+            "pass `state_v_first`, not both it and the deprecated `transpose_state_layout`",
+        )
+    warnings.warn(
+        f"{check.function}: `transpose_state_layout` is deprecated, use `state_v_first`",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return bool(transpose_state_layout)
+
+
+def key_first(state: Optional[Tensor], v_first: bool) -> Optional[Tensor]:
+    """A state given in the caller's layout as ``[..., K, V]`` (a view for V-first)."""
+    if state is None or not v_first or not isinstance(state, Tensor) or state.dim() < 2:
+        return state
+    return state.transpose(-1, -2)
+
+
+def caller_layout(state: Optional[Tensor], v_first: bool) -> Optional[Tensor]:
+    """A ``[..., K, V]`` state returned in the caller's layout (contiguous, like FLA's)."""
+    if state is None or not v_first:
+        return state
+    return state.transpose(-1, -2).contiguous()
+
+
+def state_dtype(inputs: Tensor) -> torch.dtype:
+    return torch.float64 if inputs.dtype == torch.float64 else torch.float32
+
+
+def initial_state(state: object, inputs: object) -> object:
+    """FLA's callers pass fp16 / bf16 initial states too: the ops take fp32 (fp64 for fp64
+    inputs); other values are left to the checks."""
+    if not (isinstance(state, Tensor) and isinstance(inputs, Tensor)):
+        return state
+    if state.dtype in FLOAT_DTYPES and inputs.dtype in FLOAT_DTYPES:
+        return state.to(state_dtype(inputs))
+    return state
+
+
+def chunk_size(check: ArgumentChecker, size: object, return_intermediate_states: bool) -> None:
+    """FLA's ``chunk_size``: 32 or 64. The results do not depend on it except the chunk
+    states, which kda_ops keeps every 64 tokens."""
+    if size not in CHUNK_SIZES:
+        check.fail(ValueError, f"`chunk_size` must be either 32 or 64 for KDA, got {size}")
+    if size != 64 and return_intermediate_states:
+        check.fail(
+            ValueError,
+            "`return_intermediate_states=True` keeps the state every 64 tokens: pass "
+            "`chunk_size=64`",
+        )
+
+
+def host_seqlens(check: ArgumentChecker, cu_seqlens_cpu: object, cu_seqlens: object) -> None:
+    """FLA's ``cu_seqlens_cpu`` (a host copy of ``cu_seqlens``, to spare a sync): checked
+    for shape and kind; the kernels need no host copy."""
+    if cu_seqlens_cpu is None:
+        return
+    if cu_seqlens is None:
+        check.fail(ValueError, "`cu_seqlens_cpu` needs `cu_seqlens`")
+    host = check.tensor("cu_seqlens_cpu", cu_seqlens_cpu, dims=1, dtypes=INDEX_DTYPES)
+    if host.device.type != "cpu":
+        check.fail(ValueError, f"`cu_seqlens_cpu` must be on the CPU, got {host.device}")
+    if isinstance(cu_seqlens, Tensor) and host.shape != cu_seqlens.shape:
+        check.fail(
+            ValueError,
+            f"`cu_seqlens_cpu` must have the shape of `cu_seqlens` ({tuple(cu_seqlens.shape)}), "
+            f"got {tuple(host.shape)}",
+        )
+
+
+def no_context_parallel(check: ArgumentChecker, cp_context: object) -> None:
+    if cp_context is not None:
+        check.fail(
+            ValueError,
+            "`cp_context` (FLA's context parallelism) is not supported: use "
+            "kda_ops.distributed.chunk_kda_cp",
+        )
