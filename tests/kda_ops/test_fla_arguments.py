@@ -104,7 +104,7 @@ def test_state_v_first_chunk_states():
 
 
 def test_state_v_first_pool():
-    args, x = inputs(dtype=torch.float64)
+    args, _ = inputs(dtype=torch.float64)
     token = {name: t[:, :1] for name, t in args.items()}
     pool = torch.randn(5, 4, 8, 6, dtype=torch.float64)
     slots = torch.tensor([3, 1])
