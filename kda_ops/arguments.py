@@ -18,7 +18,8 @@ from torch import Tensor
 
 from kda_ops.validation import FLOAT_DTYPES, INDEX_DTYPES, ArgumentChecker
 
-CHUNK_SIZES = (32, 64)  # what FLA accepts; the kernels always run 64-token chunks
+# What FLA accepts; the kernels always run 64-token chunks, so only chunk states differ.
+KDA_CHUNK_SIZES = (32, 64)
 
 
 def as_vector(x: Optional[Tensor], size: int) -> Optional[Tensor]:
@@ -133,11 +134,18 @@ def initial_state(state: object, inputs: object) -> object:
     return state
 
 
-def chunk_size(check: ArgumentChecker, size: object, return_intermediate_states: bool) -> None:
-    """FLA's ``chunk_size``: 32 or 64. The results do not depend on it except the chunk
-    states, which kda_ops keeps every 64 tokens."""
-    if size not in CHUNK_SIZES:
-        check.fail(ValueError, f"`chunk_size` must be either 32 or 64 for KDA, got {size}")
+def chunk_size(
+    check: ArgumentChecker,
+    size: object,
+    return_intermediate_states: bool,
+    allowed: tuple[int, ...] = KDA_CHUNK_SIZES,
+    family: str = "KDA",
+) -> None:
+    """FLA's ``chunk_size`` (KDA: 32 or 64; Gated DeltaNet: 16, 32 or 64). The results do
+    not depend on it except the chunk states, which kda_ops keeps every 64 tokens."""
+    if size not in allowed:
+        names = ", ".join(str(n) for n in allowed[:-1]) + f" or {allowed[-1]}"
+        check.fail(ValueError, f"`chunk_size` must be {names} for {family}, got {size}")
     if size != 64 and return_intermediate_states:
         check.fail(
             ValueError,

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import kernels, reference
+from kda_ops import arguments, kernels, reference
 from kda_ops.validation import ArgumentChecker
 
 
@@ -72,34 +72,46 @@ if kernels.AVAILABLE:
 
 def kda_gate(
     g: Tensor,
-    A_log: Tensor,
+    A_log: Optional[Tensor] = None,
     dt_bias: Optional[Tensor] = None,
     lower_bound: Optional[float] = None,
+    output_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """The KDA log-decay from the raw gate (``fla.ops.kda.gate.fused_kda_gate``'s math).
+    """The KDA log-decay from the raw gate: ``fla.ops.kda.gate.fused_kda_gate``'s signature
+    and math.
 
     Args:
         g: raw gate ``[..., HV, K]``; Gated DeltaNet's per-head gate is ``[..., HV, 1]``.
-        A_log: ``[HV]``.
-        dt_bias: ``[HV * K]`` or ``None``.
+        A_log: HV values (``[HV]``, or any shape holding them, e.g. ``[1, 1, HV, 1]``);
+            ``None`` with ``lower_bound`` means the rate 1: ``lower_bound * sigmoid(g +
+            dt_bias)``.
+        dt_bias: ``[HV * K]`` (or ``[HV, K]``) or ``None``.
         lower_bound: ``None`` for ``-exp(A_log) * softplus(g + dt_bias)``; a negative bound
             (Kimi K3: -5) for the safe gate ``lower_bound * sigmoid(exp(A_log) * (g +
             dt_bias))``.
+        output_dtype: the result's dtype; ``None`` keeps the compute dtype.
 
     Returns:
-        float32 log-decay of g's shape (float64 for float64 inputs).
+        the log-decay of g's shape, computed in float32 (float64 for float64 inputs).
     """
     check = ArgumentChecker("kda_gate")
     g = check.tensor("g", g)
     if g.dim() < 2:
         check.fail(ValueError, f"`g` must be [..., HV, K], got shape {tuple(g.shape)}")
     heads, channels = g.shape[-2], g.shape[-1]
+    if A_log is None:
+        if lower_bound is None:
+            check.fail(ValueError, "`A_log` is needed unless `lower_bound` is set")
+        A_log = torch.zeros(heads, dtype=torch.float32, device=g.device)
+    A_log = arguments.as_vector(check.tensor("A_log", A_log), heads)
     check.shape("A_log", check.tensor("A_log", A_log, dims=1), (heads,), "(HV,)")
     if dt_bias is not None:
+        dt_bias = arguments.as_vector(check.tensor("dt_bias", dt_bias), heads * channels)
         check.shape(
             "dt_bias", check.tensor("dt_bias", dt_bias, dims=1), (heads * channels,), "(HV * K,)"
         )
     if lower_bound is not None and not lower_bound < 0:
         check.fail(ValueError, f"`lower_bound` must be negative, got {lower_bound}")
     check.same_device(g=g, A_log=A_log, dt_bias=dt_bias)
-    return gate_op(g, A_log, dt_bias, None if lower_bound is None else float(lower_bound))
+    out = gate_op(g, A_log, dt_bias, None if lower_bound is None else float(lower_bound))
+    return out if output_dtype is None else out.to(output_dtype)

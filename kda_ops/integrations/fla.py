@@ -2,11 +2,13 @@
 
 Swapped while enabled:
 
-- ``fla.ops.kda.chunk_kda`` / ``fused_recurrent_kda`` → :func:`chunk_kda` /
-  :func:`fused_recurrent_kda` below (FLA's signatures; ``A_log`` / ``dt_bias`` may come as
-  keywords; ``A_log=None`` with ``lower_bound`` is the gate ``lower_bound·sigmoid(g +
-  dt_bias)``),
-- ``fla.ops.kda.gate.fused_kda_gate`` → ``kda::gate`` (cast to ``output_dtype``),
+- ``fla.ops.kda.chunk_kda`` / ``fused_recurrent_kda`` → :func:`kda_ops.chunk_kda` /
+  :func:`kda_ops.fused_recurrent_kda`, which take FLA's signatures whole,
+- ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd`` (vLLM's decode call: a state
+  pool addressed by ``ssm_state_indices``, speculative ``num_accepted_tokens``,
+  ``inplace_final_state``) → :func:`fused_recurrent_kda_fwd` below,
+- ``fla.ops.kda.gate.fused_kda_gate`` → :func:`kda_ops.kda_gate`;
+  ``fla.ops.gated_delta_rule.gate.fused_gdn_gate`` → :func:`fused_gdn_gate` on the same op,
 - ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
   → ``kda::chunk`` / ``kda::recurrent`` with the scalar gate (``gk`` is the per-key KDA gate),
 - ``fla.modules.FusedRMSNormGated.forward`` → ``kda::gated_rms_norm``,
@@ -15,14 +17,12 @@ Swapped while enabled:
 
 The functions are swapped in their defining FLA modules, the packages that re-export them,
 and every other loaded module that holds the same object under the same name (code that did
-``from fla.ops.kda import chunk_kda`` before ``enable()``). Options of FLA that change the
-math and that kda_ops does not implement (``allow_neg_eigval``, ``state_v_first``,
-``cp_context``, ``return_intermediate_states``, ``gv``, gated-norm ``residual`` /
-``prenorm``, varlen conv final states) raise ``ValueError``; ``chunk_kda``'s
-``disable_recompute`` is passed on; other scheduling options (``cu_seqlens_cpu``,
-``chunk_indices``, ``use_graph``, ...) are ignored. Unlike FLA, no function writes into
-its inputs except ``ShortConvolution``'s single-token decode, which updates ``cache`` in
-place as FLA's does.
+``from fla.ops.kda import chunk_kda`` before ``enable()``). Options of FLA that kda_ops does
+not implement (``cp_context``, ``gv``, gated-norm ``residual`` / ``prenorm``, varlen conv
+final states) raise ``ValueError``; scheduling options that change nothing here
+(``chunk_indices``) are accepted. Unlike FLA, no function writes into its inputs except
+the state pools of :func:`fused_recurrent_kda_fwd` and ``ShortConvolution``'s single-token
+decode, which update them in place as FLA's do.
 """
 
 from __future__ import annotations
@@ -35,100 +35,58 @@ import torch
 from torch import Tensor
 
 import kda_ops
+from kda_ops import arguments
 from kda_ops.integrations._patch import Patch
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
-UNSUPPORTED = ("allow_neg_eigval", "state_v_first", "transpose_state_layout",
-               "return_intermediate_states", "cp_context", "ssm_state_indices",
-               "num_accepted_tokens", "out", "gv")  # fmt: skip
-
-
-def _reject(function: str, options: dict[str, Any]) -> None:
-    for name in UNSUPPORTED:
-        value = options.get(name)
-        if value is not None and value is not False:
-            raise ValueError(f"{function}: `{name}` is not supported by kda_ops")
+GDN_CHUNK_SIZES = (16, 32, 64)
 
 
-def _gate_params(
-    function: str, use_gate_in_kernel: bool, A_log: Optional[Tensor], lower_bound, heads: int,
-    device: torch.device,
-) -> Optional[Tensor]:  # fmt: skip
-    """FLA lets ``A_log`` be None with a ``lower_bound`` (rate 1): exp(0) = 1 gives that."""
-    if not use_gate_in_kernel or A_log is not None:
-        return A_log
-    if lower_bound is None:
-        raise ValueError(f"{function}: `use_gate_in_kernel=True` needs `A_log` or `lower_bound`")
-    return torch.zeros(heads, dtype=torch.float32, device=device)
-
-
-def chunk_kda(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False, safe_gate: bool = False,
-    lower_bound: Optional[float] = None, cu_seqlens: Optional[Tensor] = None, **kwargs: Any,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
-    """``fla.ops.kda.chunk_kda`` on ``kda::chunk``: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``;
-    g ``[B, T, HV, K]``; beta ``[B, T, HV]``; state ``[N, HV, K, V]`` float32."""
-    _reject("chunk_kda", kwargs)
-    A_log = _gate_params("chunk_kda", use_gate_in_kernel, kwargs.get("A_log"), lower_bound,
-                         v.shape[2], v.device)  # fmt: skip
-    return kda_ops.chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log,
-        dt_bias=kwargs.get("dt_bias"), lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-        safe_gate=safe_gate and use_gate_in_kernel,
-        disable_recompute=bool(kwargs.get("disable_recompute", False)),
-    )  # fmt: skip
-
-
-def fused_recurrent_kda(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None, scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False, lower_bound: Optional[float] = None,
-    cu_seqlens: Optional[Tensor] = None, **kwargs: Any,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
-    """``fla.ops.kda.fused_recurrent_kda`` on ``kda::recurrent`` (same shapes as chunk_kda)."""
-    _reject("fused_recurrent_kda", kwargs)
-    A_log = _gate_params("fused_recurrent_kda", use_gate_in_kernel, A_log, lower_bound,
-                         v.shape[2], v.device)  # fmt: skip
-    return kda_ops.fused_recurrent_kda(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+def fused_gdn_gate(
+    g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor] = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> Tensor:  # fmt: skip
+    """``fla.ops.gated_delta_rule.gate.fused_gdn_gate``: g ``[..., HV]`` → the log-decay
+    ``-exp(A_log) · softplus(g + dt_bias)`` (``kda::gate`` with one channel per head)."""
+    gate = kda_ops.kda_gate(g.unsqueeze(-1), A_log, dt_bias, output_dtype=output_dtype)
+    return gate.squeeze(-1)
 
 
 def fused_kda_gate(
     g: Tensor, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
     lower_bound: Optional[float] = None, output_dtype: torch.dtype = torch.float32,
 ) -> Tensor:  # fmt: skip
-    """``fla.ops.kda.gate.fused_kda_gate`` on ``kda::gate``: g ``[..., HV, K]`` → log-decay."""
-    A_log = _gate_params("fused_kda_gate", True, A_log, lower_bound, g.shape[-2], g.device)
-    return kda_ops.kda_gate(g, A_log, dt_bias, lower_bound).to(output_dtype)
+    """``fla.ops.kda.gate.fused_kda_gate``: :func:`kda_ops.kda_gate` with FLA's float32
+    default output."""
+    return kda_ops.kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=output_dtype)
 
 
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-    cu_seqlens: Optional[Tensor] = None, **kwargs: Any,
+    allow_neg_eigval: bool = False, state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
+    chunk_indices: Optional[Tensor] = None, cp_context: None = None, *,
+    use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None, chunk_size: int = 64,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
-    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` on ``kda::chunk``: g ``[B, T, HV]``;
-    with ``use_gate_in_kernel`` (keyword) g is raw and ``A_log`` / ``dt_bias`` are ``[HV]``."""
-    _reject("chunk_gated_delta_rule", kwargs)
+    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` on ``kda::chunk``: g ``[B, T, HV]``
+    (raw with ``use_gate_in_kernel``, then ``A_log`` / ``dt_bias`` are ``[HV]``);
+    ``chunk_indices`` is FLA's precomputed chunk list, not needed here."""
+    check = ArgumentChecker("chunk_gated_delta_rule")
+    arguments.chunk_size(check, chunk_size, False, GDN_CHUNK_SIZES, "Gated Delta Rule")
+    if use_gate_in_kernel and A_log is None:
+        check.fail(ValueError, "`use_gate_in_kernel=True` needs `A_log` of shape (HV,)")
     return kda_ops.chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=kwargs.get("use_gate_in_kernel", False),
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=kwargs.get("A_log"),
-        dt_bias=kwargs.get("dt_bias"), cu_seqlens=cu_seqlens,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        cp_context=cp_context, A_log=A_log, dt_bias=dt_bias,
+        transpose_state_layout=transpose_state_layout,
     )  # fmt: skip
 
 
@@ -147,21 +105,144 @@ def fused_recurrent_gated_delta_rule(
     initial_state: Optional[Tensor] = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
     A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-    use_beta_sigmoid_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None,
-    **kwargs: Any,
+    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None, *,
+    transpose_state_layout: Optional[bool] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
     """``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` on ``kda::recurrent``.
     beta ``None`` means 1 (plain delta rule)."""
-    _reject("fused_recurrent_gated_delta_rule", {**kwargs, "gv": gv})
+    check = ArgumentChecker("fused_recurrent_gated_delta_rule")
+    if gv is not None:
+        check.fail(ValueError, "`gv` (a per-value gate) is not supported by kda_ops")
     if use_gate_in_kernel and gk is not None:
-        raise ValueError("fused_recurrent_gated_delta_rule: `use_gate_in_kernel` with `gk`")
+        check.fail(ValueError, "`use_gate_in_kernel` with `gk`")
     beta = v.new_ones(v.shape[:3]) if beta is None else beta
     return kda_ops.fused_recurrent_kda(
         q, k, v, _recurrent_gdn_gate(g, gk, v), beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, cu_seqlens=cu_seqlens,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        transpose_state_layout=transpose_state_layout,
     )  # fmt: skip
+
+
+def fused_recurrent_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
+    scale: Optional[float] = None, output_final_state: bool = False,
+    inplace_final_state: bool = True, state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None, ssm_state_indices: Optional[Tensor] = None,
+    num_accepted_tokens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
+    out: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+    """``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``, vLLM's decode call.
+
+    Without ``ssm_state_indices`` it is :func:`kda_ops.fused_recurrent_kda` (with
+    ``inplace_final_state`` the final states overwrite ``initial_state``). With them,
+    ``initial_state`` is a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` V-first):
+
+    - ``[N]`` indices: sequence n starts from slot ``indices[n]`` and its final state goes
+      back there (``inplace_final_state``; kda_ops' in-place pool op, no copies);
+    - ``[N, S]`` indices (speculative decoding): sequence n starts from slot
+      ``indices[n, num_accepted_tokens[n] - 1]`` (``indices[n, 0]`` without it) and its
+      state after token t goes to slot ``indices[n, t]``.
+
+    Without ``inplace_final_state`` the state after every token goes to row ``token`` of
+    a new ``[T_total, HV, K, V]`` tensor instead (FLA's layout). A negative index is
+    padding: its sequence starts from zero and writes nothing (FLA leaves it undefined).
+    Returns ``(o, states)``: o in v's dtype (copied into ``out`` when given) and the
+    pool, the per-token states, the final states or ``None``.
+    """
+    check = ArgumentChecker("fused_recurrent_kda_fwd")
+    options = dict(
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, cu_seqlens=cu_seqlens, scale=scale, A_log=A_log,
+        dt_bias=dt_bias,
+    )  # fmt: skip
+    if inplace_final_state and initial_state is None:
+        check.fail(ValueError, "`inplace_final_state=True` needs `initial_state` (the pool)")
+    if ssm_state_indices is None:
+        o, final = kda_ops.fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first,
+            output_final_state=output_final_state or inplace_final_state, **options,
+        )  # fmt: skip
+        if inplace_final_state:
+            initial_state.copy_(final)
+            final = initial_state
+        return _into(out, o), final
+    indices = check.tensor("ssm_state_indices", ssm_state_indices, dims=(1, 2),
+                           dtypes=INDEX_DTYPES)  # fmt: skip
+    if initial_state is None:
+        check.fail(ValueError, "`ssm_state_indices` needs `initial_state` (the pool)")
+    if indices.dim() == 1 and num_accepted_tokens is None and inplace_final_state:
+        o = kda_ops.fused_recurrent_kda_inplace(
+            q, k, v, g, beta, initial_state, indices, state_v_first=state_v_first, **options
+        )
+        return _into(out, o), initial_state
+    o, states = _per_token_slots(check, q, k, v, g, beta, initial_state, indices,
+                                 num_accepted_tokens, inplace_final_state, state_v_first,
+                                 options)  # fmt: skip
+    return _into(out, o), states
+
+
+def _into(out: Optional[Tensor], o: Tensor) -> Tensor:
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+def _per_token_slots(
+    check: ArgumentChecker, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    pool: Tensor, indices: Tensor, num_accepted_tokens: Optional[Tensor], inplace: bool,
+    state_v_first: bool, options: dict[str, Any],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """FLA's continuous-batching decode with a state kept after every token: one
+    single-token recurrent step per position (``indices.shape[1]`` of them, or T for
+    ``[N]`` indices), the states carried between steps."""
+    cu_seqlens = options.pop("cu_seqlens")
+    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if indices.shape[0] != n_seqs:
+        check.fail(ValueError, f"`ssm_state_indices` must have {n_seqs} rows, one a sequence")
+    steps = indices.shape[1] if indices.dim() == 2 else q.shape[1]
+    indices = indices.long().view(n_seqs, -1)
+    if cu_seqlens is None:
+        starts = torch.arange(n_seqs, device=q.device) * q.shape[1]
+        lengths = torch.full((n_seqs,), q.shape[1], device=q.device)
+    else:
+        starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    first = torch.zeros(n_seqs, dtype=torch.long, device=q.device)
+    if num_accepted_tokens is not None:
+        first = num_accepted_tokens.long() - 1
+    start_slots = indices.gather(1, first.clamp(min=0).view(-1, 1)).squeeze(1)
+    pool_k_first = arguments.key_first(pool, state_v_first)
+    state = kda_ops.delta_rule.gather_pool_states(pool_k_first, start_slots)
+    state = state.to(arguments.state_dtype(q))
+    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
+    o = torch.zeros_like(flat[2])
+    per_token = None
+    if not inplace:
+        shape = (flat[0].shape[0], *pool_k_first.shape[1:])
+        per_token = torch.zeros(shape, dtype=state.dtype, device=q.device)
+    for t in range(steps):
+        live = t < lengths
+        rows = (starts + t).clamp(max=flat[0].shape[0] - 1)
+        token = [x[rows].unsqueeze(1) for x in flat]
+        o_t, after = kda_ops.fused_recurrent_kda(*token, initial_state=state,
+                                                 output_final_state=True, **options)  # fmt: skip
+        state = torch.where(live.view(-1, 1, 1, 1), after, state)
+        o[rows[live]] = o_t[live, 0]
+        if inplace:
+            targets = torch.where(live, indices[:, min(t, indices.shape[1] - 1)], -1)
+            kda_ops.delta_rule.scatter_pool_states(pool_k_first, targets, state)
+        else:
+            per_token[rows[live]] = state[live]
+    o = o.view_as(v)
+    return o, pool if inplace else arguments.caller_layout(per_token, state_v_first)
 
 
 def fused_rms_norm_gated_forward(
@@ -218,9 +299,11 @@ def short_convolution_forward(
 
 
 FUNCTIONS = {
-    ("fla.ops.kda", "chunk_kda"): chunk_kda,
-    ("fla.ops.kda", "fused_recurrent_kda"): fused_recurrent_kda,
+    ("fla.ops.kda", "chunk_kda"): kda_ops.chunk_kda,
+    ("fla.ops.kda", "fused_recurrent_kda"): kda_ops.fused_recurrent_kda,
+    ("fla.ops.kda.fused_recurrent", "fused_recurrent_kda_fwd"): fused_recurrent_kda_fwd,
     ("fla.ops.kda.gate", "fused_kda_gate"): fused_kda_gate,
+    ("fla.ops.gated_delta_rule.gate", "fused_gdn_gate"): fused_gdn_gate,
     ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"): chunk_gated_delta_rule,
     ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"): (
         fused_recurrent_gated_delta_rule

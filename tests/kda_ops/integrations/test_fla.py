@@ -16,6 +16,7 @@ import fla.ops.kda.chunk  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.kda.naive import naive_recurrent_kda  # noqa: E402
 
+import kda_ops  # noqa: E402
 import kda_ops.integrations as integrations  # noqa: E402
 from kda_ops.integrations import fla as fla_integration  # noqa: E402
 
@@ -41,8 +42,8 @@ def test_swaps_every_binding_and_restores():
     norm_forward = vars(fla.modules.FusedRMSNormGated)["forward"]
     integrations.enable(["fla"])
     try:
-        assert fla_kda.chunk_kda is fla_integration.chunk_kda
-        assert fla.ops.kda.chunk.chunk_kda is fla_integration.chunk_kda
+        assert fla_kda.chunk_kda is kda_ops.chunk_kda
+        assert fla.ops.kda.chunk.chunk_kda is kda_ops.chunk_kda
         assert fla_gdn.chunk_gated_delta_rule is fla_integration.chunk_gated_delta_rule
         assert fla.modules.FusedRMSNormGated.forward is fla_integration.fused_rms_norm_gated_forward
     finally:
@@ -145,8 +146,10 @@ def test_short_convolution_cuda_kernels_match_cpu(enabled, channels):
 
 def test_unsupported_options_raise(enabled):
     q, k, v, g, beta, _ = _inputs()
-    with pytest.raises(ValueError, match="state_v_first"):
-        fla_kda.chunk_kda(q, k, v, g, beta, state_v_first=True)
+    with pytest.raises(ValueError, match="cp_context"):
+        fla_kda.chunk_kda(q, k, v, g, beta, cp_context=object())
+    with pytest.raises(ValueError, match="`gv`"):
+        fla_gdn.fused_recurrent_gated_delta_rule(q, k, v, g=g[..., 0], gv=v, beta=beta)
     with pytest.raises(ValueError, match="A_log"):
         fla_kda.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True)
 
