@@ -144,7 +144,12 @@ def chunk_size(
     """FLA's ``chunk_size`` (KDA: 32 or 64; Gated DeltaNet: 16, 32 or 64). The results do
     not depend on it except the chunk states, which kda_ops keeps every 64 tokens."""
     if size not in allowed:
-        names = ", ".join(str(n) for n in allowed[:-1]) + f" or {allowed[-1]}"
+        # FLA's wording, which callers match on.
+        names = (
+            f"either {allowed[0]} or {allowed[1]}"
+            if len(allowed) == 2
+            else (", ".join(str(n) for n in allowed[:-1]) + f", or {allowed[-1]}")
+        )
         check.fail(ValueError, f"`chunk_size` must be {names} for {family}, got {size}")
     if size != 64 and return_intermediate_states:
         check.fail(

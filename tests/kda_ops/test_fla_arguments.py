@@ -54,7 +54,7 @@ def test_chunk_size():
     o32, s32 = kda_ops.chunk_kda(**args, output_final_state=True, chunk_size=32)
     close(o32, o64)
     close(s32, s64)
-    with pytest.raises(ValueError, match="`chunk_size` must be 32 or 64 for KDA"):
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA"):
         kda_ops.chunk_kda(**args, chunk_size=16)
     with pytest.raises(ValueError, match="every 64 tokens"):
         kda_ops.chunk_kda(**args, chunk_size=32, return_intermediate_states=True)
