@@ -178,10 +178,20 @@ for _op in (chunk_op, recurrent_op):
     _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
-def _keeps_saved(q: Tensor) -> bool:
-    """Whether ``kda::chunk_train`` returns the backward's saved tensors for q (the Triton
-    path: CUDA, not float64, Triton installed)."""
-    return kernels.AVAILABLE and q.device.type == "cuda" and q.dtype != torch.float64
+# The chunk kernels' tiles hold whole head dims; past this the CUDA ops run the reference.
+CHUNK_KERNEL_MAX_HEAD_DIM = 128
+
+
+def _chunk_kernels_run(q: Tensor, v: Tensor) -> bool:
+    """Whether the Triton chunk kernels serve these CUDA inputs: not float64 (the oracle's
+    dtype) and head dims the kernels' shared-memory budget holds."""
+    return q.dtype != torch.float64 and max(q.shape[-1], v.shape[-1]) <= CHUNK_KERNEL_MAX_HEAD_DIM
+
+
+def _keeps_saved(q: Tensor, v: Tensor) -> bool:
+    """Whether ``kda::chunk_train`` returns the backward's saved tensors (the Triton path:
+    CUDA, Triton installed, :func:`_chunk_kernels_run`)."""
+    return kernels.AVAILABLE and q.device.type == "cuda" and _chunk_kernels_run(q, v)
 
 
 def chunk_train_reference(
@@ -216,7 +226,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_
       use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
     o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                 scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(q) else []
+    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(q, v) else []
 
 
 def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool) -> list[Tensor]:
@@ -397,7 +407,7 @@ if kernels.AVAILABLE:
           use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+        if not _chunk_kernels_run(q, v):
             return chunk_reference(*args, *config)
         return launch_chunk_kda(*args, *config)
 
@@ -406,7 +416,7 @@ if kernels.AVAILABLE:
           use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if q.dtype == torch.float64:
+        if not _chunk_kernels_run(q, v):
             return chunk_states_reference(*args, *config)
         shape = (_chunk_state_rows(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
         # Packed sequences leave rows past the last chunk unwritten: zero them.
@@ -421,7 +431,7 @@ if kernels.AVAILABLE:
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
                 grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
+        if not _chunk_kernels_run(q, v):
             return delta_rule_backward_reference(*args)
         return launch_chunk_kda_backward(*args)
 
@@ -430,7 +440,7 @@ if kernels.AVAILABLE:
           use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if not _keeps_saved(q):
+        if not _keeps_saved(q, v):
             return chunk_train_reference(*args, *config, keep_rows)
         o, final_state, saved = launch_chunk_kda_training(*args, *config, keep_rows=keep_rows)
         return o, final_state, list(saved)
@@ -441,7 +451,7 @@ if kernels.AVAILABLE:
         # The launch overwrites saved exactly when it holds the rows (kda::chunk_backward_).
         args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
                 grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-        if not _keeps_saved(q):
+        if not _keeps_saved(q, v):
             return delta_rule_backward_reference(*args)
         return launch_chunk_kda_backward(*args, saved=saved)
 
