@@ -171,6 +171,8 @@ def _recurrent_constexprs(config: Mapping[str, object]) -> dict[str, object]:
         USE_BETA_SIGMOID=bool(config.get("use_beta_sigmoid", True)),
         HAS_STATE_IN=True, USE_INDICES=False, IS_VARLEN=False, STORE_FINAL_STATE=True,
         STORE_STEP_STATES=False,
+        STATE_IN_V_FIRST=False,  # the plugin's states are key-first [N, HV, K, V]
+        STATE_OUT_V_FIRST=False,
     )  # fmt: skip
 
 
