@@ -64,10 +64,6 @@ chunk_op = torch.library.custom_op("kda::chunk", mutates_args=())(chunk_referenc
 recurrent_op = torch.library.custom_op("kda::recurrent", mutates_args=())(recurrent_reference)
 
 
-def _state_dtype(inputs: Tensor) -> torch.dtype:
-    return torch.float64 if inputs.dtype == torch.float64 else torch.float32
-
-
 def _delta_rule_fake(
     q: Tensor,
     k: Tensor,
@@ -85,7 +81,9 @@ def _delta_rule_fake(
 ) -> tuple[Tensor, Tensor]:
     torch._check(k.shape == q.shape)
     torch._check(v.shape[2] % q.shape[2] == 0)
-    return v.new_empty(v.shape), q.new_empty(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
+    return v.new_empty(v.shape), q.new_empty(
+        _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
+    )
 
 
 def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, ...]:
@@ -163,7 +161,9 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
     if grad_o is None:  # an output the loss does not use: o is v-shaped, in v's dtype
         grad_o = torch.zeros_like(v)
     if grad_final_state is None:
-        grad_final_state = q.new_zeros(_state_shape(q, v, cu_seqlens), dtype=_state_dtype(q))
+        grad_final_state = q.new_zeros(
+            _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
+        )
     if kept:
         backward = chunk_backward_scratch_op if ctx.keeps_rows else chunk_backward_op
         grads = backward(*primals, grad_o, grad_final_state, kept, *ctx.config)
