@@ -744,6 +744,30 @@ def prepare_flags(
     )  # fmt: skip
 
 
+def dot_block(n: int) -> int:
+    """The tile width of a head dim: its next power of two, at least 16 (``tl.dot`` needs
+    every dim >= 16; masks cover the padding)."""
+    return max(16, next_power_of_2(n))
+
+
+def prepare_warps(block_k: int) -> int:
+    """Warps of a prepare program (the forward's and the backward's kernel 1). No register
+    cap: at 8 warps a 128-register cap fits two programs per SM but spills, 2688 us
+    against 2178 us uncapped (H200, T = 8192, H = 96, bf16). sm_90, Triton 3.6, 256 key
+    and value columns: 35 KB of shared memory, 255 registers and ~0.9 KB of stack."""
+    return 4 if block_k <= 64 else 8
+
+
+def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
+                store_output: bool) -> int:  # fmt: skip
+    """Bytes of shared memory a head-parallel scan's loop takes at ``stages`` stages, an
+    upper bound (:func:`scan_stages`)."""
+    tiles = itemsize * (2 * block_k + block_v)
+    if store_output:
+        tiles += itemsize * block_k + aqk_itemsize * 64
+    return stages * (64 * tiles + 4 * block_k) + itemsize * block_k * block_v
+
+
 def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
                 store_output: bool, shared_memory: int) -> int:  # fmt: skip
     """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
@@ -753,55 +777,88 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     next; with 3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u
     (dO) ``[64, BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg
     ``[64, BK]`` and Aqk ``[64, 64]`` in its own dtype, and G_C; the state operand takes
-    up to ``[BK, BV]`` more. sm_90, Triton 3.6, K = 128, bf16, 3 stages: the recurrence
-    194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB fit). The segmented path's
-    maps pass (no outputs) would fit 3 stages at 128 columns too, but is slower there
-    (H200, ``benchmarks/cp.py``, T = 131072, H = 16, the whole op: 7398 / 7341 µs with
-    2 stages against 8058 / 8419 with 3 at 4 / 8 segments), while at 64 columns 3 pay
-    (2 segments: 7934 against 8348); ``tests/kda_ops/kernels/test_sm90_compile.py``
-    checks the launches against the limit."""
-    if block_v > 64:
+    up to ``[BK, BV]`` more (:func:`scan_shared`). sm_90, Triton 3.6, K = 128, bf16,
+    3 stages: the recurrence 194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB
+    fit). The segmented path's maps pass (no outputs) would fit 3 stages at 128 columns
+    too, but is slower there (H200, ``benchmarks/cp.py``, T = 131072, H = 16, the whole
+    op: 7398 / 7341 µs with 2 stages against 8058 / 8419 with 3 at 4 / 8 segments), while
+    at 64 columns 3 pay (2 segments: 7934 against 8348).
+
+    Up to 128 key columns 2 stages fit every launch (fp32 tiles take less than the bound
+    there: 225 KB at 128 value columns). Past 128 a stage of the recurrence's tiles is
+    ~110 KB in bf16: 2 stages where they fit, else 1, whose loads wait at the start of
+    each step (sm_90, Triton 3.6, K = V = 256, bf16: 2 stages at 32 value columns 233 KB,
+    1 stage at 64 columns 144 KB). ``tests/kda_ops/kernels/test_sm90_compile.py`` checks
+    the launches against the limit."""
+    tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output)
+    if block_v <= 64 and scan_shared(3, *tiles) <= shared_memory:
+        return 3
+    if block_k <= 128 or scan_shared(2, *tiles) <= shared_memory:
         return 2
-    tiles = itemsize * (2 * block_k + block_v)
-    if store_output:
-        tiles += itemsize * block_k + aqk_itemsize * 64
-    stage = 64 * tiles + 4 * block_k
-    return 3 if 3 * stage + itemsize * block_k * block_v <= shared_memory else 2
+    return 1
 
 
-def scan_value_columns(block_v: int, sequence_heads: int, device: torch.device,
-                       three_stages_at_64: bool) -> int:  # fmt: skip
+def scan_widest(block_k: int, itemsize: int) -> int:
+    """The most value columns a scan program takes: its fp32 state ``[BK, columns]``
+    lives in registers. 128 up to 128 key columns; past them 64 (the state alone 64
+    registers a thread at 8 warps, ``scan_warps``), and 32 with fp32 inputs, whose
+    products hold their operands in shared memory (sm_90, Triton 3.6, K = V = 256, one
+    stage: the dS scan 216 KB at 32 columns, 224 KB at 64)."""
+    if block_k <= 128:
+        return 128
+    return 64 if itemsize <= 2 else 32
+
+
+def scan_warps(block_k: int) -> int:
+    """Warps of a forward recurrence program: 4, and 8 past 128 key columns, where a
+    ``[256, 64]`` fp32 state takes 128 registers a thread at 4 warps (sm_90, Triton 3.6,
+    bf16, one stage: 752 bytes of stack at 4 warps, 112 at 8)."""
+    return 4 if block_k <= 128 else 8
+
+
+def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
+                       three_stages_at_64: bool, widest: int = 128) -> int:  # fmt: skip
     """Value columns per program of a head-parallel scan over the chunks (this forward's
-    recurrence, the backward's reverse scan): the fewest that still leave every program
-    an SM of its own; where none does, 64 if a scan at 64 columns runs 3 stages
-    (``three_stages_at_64``, from :func:`scan_stages`), else 128. Each program walks all
-    chunks serially, so splitting V pays while SMs are idle, and a step at 64 columns a
-    chunk ahead beats one at 128 waiting for its loads even in two waves (H200, T = 8192,
-    bf16, 4 warps, the recurrence alone: H = 64 takes 242 µs at 64 columns, 3 stages;
-    H = 96 516 µs at 64 columns, 3 stages, 571 at 128, 2 stages; 685 at 64 columns,
-    2 stages, hence 128 without the third stage). Off CUDA (the interpreter) 32, so that
-    CI covers several value blocks."""
-    if device.type != "cuda":
+    recurrence, the backward's reverse scan) on ``sm_count`` SMs (``None`` off CUDA): the
+    fewest that still leave every program an SM of its own; where none does, 64 if a scan
+    at 64 columns runs 3 stages (``three_stages_at_64``, from :func:`scan_stages`), else
+    128, at most ``widest`` (:func:`scan_widest`). Each program walks all chunks serially,
+    so splitting V pays while SMs are idle, and a step at 64 columns a chunk ahead beats
+    one at 128 waiting for its loads even in two waves (H200, T = 8192, bf16, 4 warps, the
+    recurrence alone: H = 64 takes 242 µs at 64 columns, 3 stages; H = 96 516 µs at 64
+    columns, 3 stages, 571 at 128, 2 stages; 685 at 64 columns, 2 stages, hence 128
+    without the third stage). Off CUDA (the interpreter) 32, so that CI covers several
+    value blocks."""
+    if sm_count is None:
         return min(block_v, 32)
-    sm_count = processors(device)
     for columns in (32, 64):
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
-    return min(block_v, 64 if three_stages_at_64 else 128)
+    return min(block_v, 64 if three_stages_at_64 else 128, widest)
+
+
+def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
+                itemsize: int, aqk_itemsize: int, store_output: bool, shared_memory: int,
+                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+    """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
+    :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
+    there), or 1 stage where the launcher does not pipeline the loop."""
+    widest = scan_widest(block_k, itemsize)
+    if not pipelined:
+        return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
+    tiles = (itemsize, aqk_itemsize, store_output, shared_memory)
+    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest)
+    return columns, scan_stages(block_k, columns, *tiles)
 
 
 def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
                 itemsize: int, aqk_itemsize: int, store_output: bool,
                 pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
-    """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
-    :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
-    there), or 1 stage where the launcher does not pipeline the loop."""
-    if not pipelined:
-        return scan_value_columns(block_v, sequence_heads, device, False), 1
-    tiles = (itemsize, aqk_itemsize, store_output, shared_memory(device))
-    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
-    columns = scan_value_columns(block_v, sequence_heads, device, three_stages_at_64)
-    return columns, scan_stages(block_k, columns, *tiles)
+    """:func:`scan_config` on ``device``."""
+    sm_count = processors(device) if device.type == "cuda" else None
+    return scan_config(block_k, block_v, sequence_heads, sm_count, itemsize, aqk_itemsize,
+                       store_output, shared_memory(device), pipelined)  # fmt: skip
 
 
 def scan_launches(block_v: int, sequence_heads: int, columns: int,
@@ -865,9 +922,7 @@ def launch_chunk_kda(
         chunk_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
     # An upper bound with packed sequences (no host sync); programs past the end exit.
     n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
-    # tl.dot needs every dim >= 16; masks cover the padding.
-    block_k = max(16, next_power_of_2(head_k))
-    block_v = max(16, next_power_of_2(head_v))
+    block_k, block_v = dot_block(head_k), dot_block(head_v)
     flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                           use_beta_sigmoid)  # fmt: skip
     precision = flags["DOT_PRECISION"]
@@ -888,9 +943,7 @@ def launch_chunk_kda(
             chunk_decay, w, u, qg, kd, aqk, unbounded,
             H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
             BN=next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
-            # No register cap: at 8 warps a 128-register cap fits two programs per SM but
-            # spills, 2688 us against 2178 us uncapped (H200, T = 8192, H = 96, bf16).
-            num_warps=4 if block_k <= 64 else 8,
+            num_warps=prepare_warps(block_k),
         )  # fmt: skip
     o = torch.empty_like(v) if output else None
     if initial_state is not None:
@@ -957,8 +1010,7 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
     w, u, qg, kd, aqk, chunk_decay = intermediates
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
-    block_k = max(16, next_power_of_2(head_k))
-    block_v = max(16, next_power_of_2(state_width))
+    block_k, block_v = dot_block(head_k), dot_block(state_width)
     sequence_heads = n_seqs * value_heads
     tiles = (w.element_size(), aqk.element_size(), o is not None)
     columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
@@ -972,7 +1024,7 @@ def _recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
             STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
-            num_warps=4,
+            num_warps=scan_warps(block_k),
         )  # fmt: skip
 
 

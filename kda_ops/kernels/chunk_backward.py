@@ -112,11 +112,13 @@ from kda_ops.kernels.chunk import (
     activate_gate,
     beta_rows,
     block_cumsum,
+    dot_block,
     dyadic_level,
     inverse_norm,
     locate_chunk,
     prepare_chunks,
     prepare_flags,
+    prepare_warps,
     scan_chunks,
     scan_launch,
     sequence_span,
@@ -953,6 +955,44 @@ GATE_COLUMNS, GATE_WARPS = 32, 1
 # (bf16 / fp16 inputs). ptxas, K = V = 128: the key loop spills 68 / 36 bytes at 32 / 16
 # columns, but takes twice the trips at 16.
 WY_VALUE_STEP, WY_KEY_STEP, WY_STAGES = 32, 32, 2
+# Warps of the dS scan. ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 /
+# 128 columns (0.8 / 2.7 / 3.6 KB at 4 warps).
+STATE_WARPS = 8
+
+
+class WyLaunch(NamedTuple):
+    """How ``chunk_bwd_wy_kernel`` is launched: ``BV_STEP``, ``BK_STEP``, warps, stages."""
+
+    value_step: int
+    key_step: int
+    warps: int
+    stages: int
+
+
+def wy_launch(block_k: int, block_v: int, itemsize: int) -> WyLaunch:
+    """The WY kernel's launch for ``block_k`` / ``block_v`` columns and inputs of
+    ``itemsize`` bytes. Shared memory (227 KB a block on Hopper) holds the loops'
+    pipelined tiles: fp32 tiles are twice as large, so fp32 inputs (the accuracy path) are
+    not pipelined, and K > 128 halves the value step (ptxas: every bf16 config within
+    140 KB). Past 128 value columns pass 2's three ``[64, BV]`` operands stay in shared
+    memory across its key loop, in fp32 192 KB: the key step there is 16 (sm_90, Triton
+    3.6, K = V = 256: 256 KB at 32, 224 KB at 16), and 8 warps hold them in registers
+    without spilling (bf16: 0.6 KB of stack at 4 warps, 72 bytes at 8).
+    4 warps otherwise: fwd + bwd 12963 us against 13965 at 8 (H200, B = 1, T = 8192,
+    H = 64, bf16; the pairs kernel at 8 warps took 18275, the WY kernel at BK_STEP 16
+    14646)."""
+    wide_v = block_v > 128
+    value_step = WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2
+    key_step = WY_KEY_STEP // 2 if wide_v and itemsize > 2 else WY_KEY_STEP
+    return WyLaunch(value_step=min(block_v, value_step), key_step=min(block_k, key_step),
+                    warps=8 if wide_v else 4, stages=WY_STAGES if itemsize <= 2 else 1)  # fmt: skip
+
+
+def rebuild_blocks(head_k: int) -> tuple[int, int]:
+    """(programs a chunk, key columns a program) of ``chunk_bwd_recompute_kernel``: the
+    key columns split into ``REBUILD_COLUMNS``-wide blocks."""
+    splits = cdiv(head_k, REBUILD_COLUMNS)
+    return splits, dot_block(cdiv(head_k, splits))
 
 
 class _Layout(NamedTuple):
@@ -983,17 +1023,17 @@ def _layout(
         n_seqs, offsets = batch, None
     else:
         n_seqs, offsets = cu_seqlens.shape[0] - 1, sequence_chunk_offsets(cu_seqlens, CHUNK)
-    block_k = max(16, next_power_of_2(head_k))  # tl.dot needs dims >= 16
+    block_k = dot_block(head_k)
     return _Layout(
         n_seqs=n_seqs,
         chunk_offsets=offsets,
         n_chunks=chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK),
         block_k=block_k,
-        block_v=max(16, next_power_of_2(v.shape[3])),
+        block_v=dot_block(v.shape[3]),
         flags=prepare_flags(
             q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm, use_beta_sigmoid
         ),
-        warps=4 if block_k <= 64 else 8,
+        warps=prepare_warps(block_k),
     )
 
 
@@ -1069,8 +1109,7 @@ def _rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bou
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     kept = SavedForBackward(*kept, *(None,) * len(ROWS))
     flags = layout.flags
-    splits = cdiv(head_k, REBUILD_COLUMNS)
-    block_k = max(16, next_power_of_2(cdiv(head_k, splits)))  # tl.dot needs dims >= 16
+    splits, block_k = rebuild_blocks(head_k)
     chunk_bwd_recompute_kernel[(layout.n_chunks, value_heads, splits)](
         q, k, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, kept.solve,
         kept.q_norm, kept.k_norm, scale, 0.0 if lower_bound is None else lower_bound, length,
@@ -1189,12 +1228,9 @@ def launch_chunk_kda_backward(
     shape = dict(H=heads, HV=value_heads, K=head_k, BK=block_k,
                  BN=next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
     lower = 0.0 if lower_bound is None else lower_bound
-    # Shared memory (227 KB a block on Hopper) holds the loops' pipelined tiles: fp32
-    # tiles are twice as large, so fp32 inputs (the accuracy path) are not pipelined, and
-    # K > 128 halves the WY kernel's value step (ptxas: every config within 140 KB).
+    # fp32 inputs (the accuracy path) are not pipelined: their tiles are twice as large.
     pipelined = q.dtype != torch.float32
-    wy_block_v = min(block_v, WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2)
-    wy_block_k = min(block_k, WY_KEY_STEP)
+    wy = wy_launch(block_k, block_v, q.element_size())
     tokens_shape = (batch, length, value_heads)
 
     del u, chunk_decay
@@ -1212,9 +1248,7 @@ def launch_chunk_kda_backward(
         dv_new, dstates, d_initial,
         HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
         HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-        # ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 / 128 columns
-        # (0.8 / 2.7 / 3.6 KB at 4 warps).
-        DOT_PRECISION=precision, num_warps=8, num_stages=stages,
+        DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages,
     )  # fmt: skip
 
     # The WY kernel's pass 1 to pass 2, v_new and dRu, over qg and kd (dead: only the scan
@@ -1245,12 +1279,10 @@ def launch_chunk_kda_backward(
         grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
         v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-        BV_STEP=wy_block_v, BK_STEP=wy_block_k, BN=shape["BN"], CHUNK=CHUNK,
+        BV_STEP=wy.value_step, BK_STEP=wy.key_step, BN=shape["BN"], CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-        # 4 warps: fwd + bwd 12963 us against 13965 at 8 (H200, B = 1, T = 8192, H = 64,
-        # bf16; the pairs kernel at 8 warps took 18275, the WY kernel at BK_STEP 16 14646).
-        num_warps=4, num_stages=WY_STAGES if pipelined else 1,
+        num_warps=wy.warps, num_stages=wy.stages,
     )  # fmt: skip
     # Freed before the pairs and l2norm kernels allocate theirs: the peak stays at this one.
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows

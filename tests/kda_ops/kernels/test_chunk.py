@@ -83,6 +83,15 @@ def test_varlen_gva_and_padded_head_dims():
     torch.testing.assert_close(state, state_ref)
 
 
+def test_wide_head_dims():
+    """K = 192, V = 256: 256-wide tiles with masked key columns, launched on the GPU with
+    fewer pipeline stages and more warps than up to 128 (``scan_stages``)."""
+    (o, state), (o_ref, state_ref) = run("safe_gate", length=20, heads=1, value_heads=1,
+                                         head_k=192, head_v=256)  # fmt: skip
+    assert relative_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
+
+
 def test_without_initial_state():
     (o, state), (o_ref, state_ref) = run("gdn", initial_state=False, length=20, head_k=16)
     torch.testing.assert_close(o, o_ref.float())

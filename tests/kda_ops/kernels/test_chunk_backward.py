@@ -140,6 +140,12 @@ def test_several_value_blocks():
     check_gradients("safe_gate", length=70, head_k=40, head_v=40)
 
 
+def test_wide_head_dims():
+    """K = 192, V = 256: 256-wide tiles with masked key columns, the WY kernel at its
+    narrower value step past 128 key columns (``wy_launch``)."""
+    check_gradients("safe_gate", value_heads=1, length=20, head_k=192, head_v=256)
+
+
 @pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate"])
 @pytest.mark.parametrize("gate_shift", [-30.0, 30.0])
 def test_extreme_gates(variant, gate_shift):

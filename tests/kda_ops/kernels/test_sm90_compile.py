@@ -1,7 +1,10 @@
 """Kernels compile for sm_90 in the specializations their launchers pick (CPU, no GPU
 needed): the conv kernels in every one, the gate kernel with both gates, the forward's
 recurrence (whose pipeline stages must fit shared memory), the backward's prepare kernel
-in each of its launches, its WY, pairs, gate and recompute kernels.
+in each of its launches, its WY, pairs, gate and recompute kernels; and, past 128 key or
+value columns, every kernel of the chunked forward and backward (and the recurrent and
+gate kernels) as their launchers' pure launch functions configure them, within Hopper's
+shared memory.
 Without a GPU the other kernel tests run them in Triton's interpreter, which accepts code
 the compiler rejects (a loop-carried tile that changes shape or type) and skips libdevice
 calls."""
@@ -14,10 +17,28 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from kda_ops.kernels.chunk import scan_stages
+from kda_ops.kernels.chunk import (
+    dot_block,
+    prepare_warps,
+    scan_config,
+    scan_stages,
+    scan_warps,
+)
+from kda_ops.kernels.chunk_backward import (
+    GATE_COLUMNS,
+    GATE_WARPS,
+    PAIRS_COLUMNS,
+    PAIRS_STAGES,
+    REBUILD_WARPS,
+    STATE_WARPS,
+    key_columns,
+    rebuild_blocks,
+    wy_launch,
+)
 from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
-from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
+from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, cdiv
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
@@ -158,22 +179,182 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dbeta": "*fp32", "d_aqk_tiles": "*fp32", "d_a_tiles": "*fp32",
              "dbeta_part": "*fp32", "dbeta_rows": "*fp32", "dA_log_part": "*fp32",
              "ddt_part": "*fp32", "dg": "*fp32"}  # fmt: skip
+
+# Past 128 key or value columns, each kernel as its launcher configures it on an H200
+# (132 SMs, 227 KB of shared memory a block), from the same launch functions; a head dim
+# of 192 takes 256-wide tiles, as 256 does. Sequence-heads: enough to fill the SMs
+# (a scan takes its widest value blocks) or few (its narrowest). fp32 products compile
+# to FMA loops for minutes at wide tiles: fp32 covers the kernels whose fp32 launch
+# differs (the scans' columns and stages, the WY kernel's key step).
+SMS = 132
+ITEMSIZE = {"bf16": 2, "fp32": 4}
+MANY_HEADS, FEW_HEADS = 4096, 4
+
+
+def _typed(dtype: str, *names: str) -> dict[str, str]:
+    return {name: f"*{dtype}" for name in names}
+
+
+def _dot_precision(dtype: str) -> str:
+    return "ieee" if dtype == "fp32" else "tf32"
+
+
+def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
+                 maps: bool = False, store_states: bool = False) -> tuple:  # fmt: skip
+    """``chunk_recurrence_kernel`` as ``_recurrence`` launches it; ``maps``: the segmented
+    path's first pass (K transition columns, no outputs)."""
+    width = head_v + head_k if maps else head_v
+    block_k, size = dot_block(head_k), ITEMSIZE[dtype]
+    columns, stages = scan_config(block_k, dot_block(width), sequence_heads, SMS, size, size,
+                                  not maps, SM90_SHARED_MEMORY)  # fmt: skip
+    constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns,
+                      HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
+                      DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
+                      STORE_OUTPUT=not maps, STAGES=stages)  # fmt: skip
+    types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
+    types.update(initial_state="*fp32", final_state="*fp32")
+    return "chunk", "chunk_recurrence_kernel", constexprs, types, {"num_warps": scan_warps(block_k)}
+
+
+def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> tuple:
+    """``chunk_bwd_state_kernel`` as ``launch_chunk_kda_backward`` launches it."""
+    block_k, size = dot_block(head_k), ITEMSIZE[dtype]
+    columns, stages = scan_config(block_k, dot_block(head_v), sequence_heads, SMS, size, size,
+                                  True, SM90_SHARED_MEMORY, pipelined=dtype != "fp32")  # fmt: skip
+    constexprs = dict(HV=32, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=64,
+                      HAS_INITIAL_STATE=True, IS_VARLEN=False,
+                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
+    types = _typed(dtype, "w", "qg", "kd", "aqk", "grad_o", "dstates")
+    types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
+    return ("chunk_backward", "chunk_bwd_state_kernel", constexprs, types,
+            {"num_warps": STATE_WARPS, "num_stages": stages})  # fmt: skip
+
+
+def wy(head_k: int, head_v: int, dtype: str) -> tuple:
+    """``chunk_bwd_wy_kernel`` as ``launch_chunk_kda_backward`` launches it."""
+    block_k, block_v = dot_block(head_k), dot_block(head_v)
+    launch = wy_launch(block_k, block_v, ITEMSIZE[dtype])
+    constexprs = dict(H=32, HV=32, K=head_k, V=head_v, BK=block_k, BV=block_v,
+                      BV_STEP=launch.value_step, BK_STEP=launch.key_step, BN=1, CHUNK=64,
+                      USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
+    types = _typed(dtype, "q", "k", "v", "beta", "w", "chunk_states", "dstates", "grad_o",
+                   "v_new_rows", "d_ru_rows", "dv")  # fmt: skip
+    low = "*fp32" if dtype == "fp32" else f"*{dtype}"  # fp32 inputs: no low-precision tiles
+    types.update(d_aqk_low=low, d_a_low=low)
+    return ("chunk_backward", "chunk_bwd_wy_kernel", constexprs, types,
+            {"num_warps": launch.warps, "num_stages": launch.stages})  # fmt: skip
+
+
+def prepare(head_k: int, head_v: int, backward: bool, safe: bool) -> tuple:
+    """The forward's or the backward's prepare kernel in bf16, as launched (the safe gate's
+    single launch, or the softplus gate's first)."""
+    block_k = dot_block(head_k)
+    constexprs = dict(PREPARE, K=head_k, V=head_v, BK=block_k, BV=dot_block(head_v),
+                      SAFE_GATE=safe, USE_LOWER_BOUND=safe,
+                      CHUNKS="all" if safe else "bounded")  # fmt: skip
+    module, kernel = (("chunk_backward", "chunk_bwd_prepare_kernel") if backward
+                      else ("chunk", "chunk_prepare_kernel"))  # fmt: skip
+    return module, kernel, constexprs, {}, {"num_warps": prepare_warps(block_k)}
+
+
+def key_split_kernels(head_k: int) -> dict[str, tuple]:
+    """The backward's kernels split over the key columns, and its dq / dk kernel, in bf16
+    with the safe gate, as launched."""
+    block_k, cuda = dot_block(head_k), torch.device("cuda")
+    pair_k, gate_k = (key_columns(block_k, c, cuda) for c in (PAIRS_COLUMNS, GATE_COLUMNS))
+    _, rebuild_k = rebuild_blocks(head_k)
+    gate = dict(SCALAR_GATE=False, USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True,
+                USE_BETA_SIGMOID=True, IS_VARLEN=False)  # fmt: skip
+    return {
+        "chunk_bwd_pairs_kernel": ("chunk_backward", "chunk_bwd_pairs_kernel",
+                                   dict(H=32, HV=32, K=head_k, BK=pair_k, BN=1, CHUNK=64,
+                                        BLOCK=16, SAFE_GATE=True, USE_L2NORM=True,
+                                        USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                                        DOT_PRECISION="tf32", CHUNKS="all"),
+                                   {}, {"num_warps": 4, "num_stages": PAIRS_STAGES}),
+        "chunk_bwd_gate_kernel": ("chunk_backward", "chunk_bwd_gate_kernel",
+                                  dict(gate, HV=32, K=head_k, BK=gate_k, BN=1, CHUNK=64,
+                                       N_SHARES=cdiv(head_k, pair_k)),
+                                  {}, {"num_warps": GATE_WARPS}),
+        "chunk_bwd_recompute_kernel": ("chunk_backward", "chunk_bwd_recompute_kernel",
+                                       dict(gate, H=32, HV=32, K=head_k, BK=rebuild_k, BN=1,
+                                            USE_L2NORM=True, DOT_PRECISION="tf32"),
+                                       {}, {"num_warps": REBUILD_WARPS}),
+        "chunk_bwd_qk_kernel": ("chunk_backward", "chunk_bwd_qk_kernel",
+                                dict(H=32, HV=32, K=head_k, BK=block_k, BT=32, USE_L2NORM=True),
+                                {"d_unit": "*fp32", "n_tokens": "i32"}, {"num_warps": 4}),
+    }  # fmt: skip
+
+
+def recurrent(head_k: int, head_v: int) -> tuple:
+    """``recurrent_kda_kernel`` as ``launch_recurrent_kda`` picks its blocks (a pool
+    decode: indices, packed sequences)."""
+    block_k = dot_block(head_k)
+    block_v = min(dot_block(head_v), 32 if block_k <= 128 else 16)
+    constexprs = dict(H=32, HV=32, K=head_k, V=head_v, BK=block_k, BV=block_v,
+                      SCALAR_GATE=False, USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True,
+                      USE_L2NORM=True, USE_BETA_SIGMOID=True, HAS_STATE_IN=True,
+                      USE_INDICES=True, IS_VARLEN=True, STORE_FINAL_STATE=True,
+                      STORE_STEP_STATES=False, STATE_IN_V_FIRST=False,
+                      STATE_OUT_V_FIRST=False)  # fmt: skip
+    types = {"state_in": "*fp32", "state_out": "*fp32", "step_states": "*fp32"}
+    return "recurrent", "recurrent_kda_kernel", constexprs, types, {"num_warps": 4}
+
+
+WIDE_DIMS = ((256, 256), (192, 192), (256, 128), (128, 256), (256, 64), (64, 256), (256, 16))
+
+
+def wide_variants() -> dict[str, tuple]:
+    """Every launch past 128 key or value columns the matrix covers, by name."""
+    variants = {}
+    for head_k, head_v in WIDE_DIMS:
+        dims = f"K={head_k}/V={head_v}"
+        regimes = {"many": MANY_HEADS}
+        if head_k == head_v == 256:
+            regimes["few"] = FEW_HEADS
+        for regime, heads in regimes.items():
+            for name, scan in (("forward_scan", forward_scan), ("backward_scan", backward_scan)):
+                variants[f"{dims}/{name}/bf16/{regime}"] = scan(head_k, head_v, "bf16", heads)
+        variants[f"{dims}/wy/bf16"] = wy(head_k, head_v, "bf16")
+    for regime, heads in (("many", MANY_HEADS), ("few", FEW_HEADS)):
+        maps = forward_scan(256, 256, "bf16", heads, maps=True)
+        variants[f"K=256/V=256/forward_maps/bf16/{regime}"] = maps
+    training = forward_scan(256, 256, "bf16", MANY_HEADS, store_states=True)
+    variants["K=256/V=256/forward_scan/bf16/training"] = training
+    # fp32 past 128 key columns (at up to 128 the scans launch as at K = V = 128).
+    variants["K=256/V=256/forward_scan/fp32"] = forward_scan(256, 256, "fp32", MANY_HEADS)
+    variants["K=256/V=256/backward_scan/fp32"] = backward_scan(256, 256, "fp32", MANY_HEADS)
+    for head_k in (256, 64):
+        variants[f"K={head_k}/V=256/wy/fp32"] = wy(head_k, 256, "fp32")
+    for backward, safe in ((False, True), (True, False)):
+        name = "chunk_bwd_prepare_kernel" if backward else "chunk_prepare_kernel"
+        variants[f"K=256/V=256/{name}"] = prepare(256, 256, backward, safe)
+    for name, spec in key_split_kernels(256).items():
+        variants[f"K=256/{name}"] = spec
+    variants["K=256/V=256/recurrent_kda_kernel"] = recurrent(256, 256)
+    gate = dict(GATE, K=256, BK=256, ROWS=32, USE_LOWER_BOUND=True)  # launch_kda_gate's rows
+    variants["K=256/kda_gate_kernel"] = ("gate", "kda_gate_kernel", gate)
+    return variants
+
+
+WIDE = {f"wide/{name}": spec for name, spec in wide_variants().items()}
+VARIANTS.update(WIDE)
+
 SCRIPT = """
-import importlib, json, sys
+import importlib, json, multiprocessing, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-variants, arg_types = (json.loads(a) for a in sys.argv[1:])
-results = {}
-for name, (module, kernel_name, constexprs, *extra) in variants.items():
+def compile_variant(item):
+    name, (module, kernel_name, constexprs, *extra) = item
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
     # A constexpr left out would compile as a pointer argument, a variant never launched.
     missing = [kernel.arg_names[i] for i in kernel.constexprs
                if kernel.arg_names[i] not in constexprs]
     if missing:
-        results[name] = {"error": f"constexprs not given: {missing}"}
-        continue
+        return name, {"error": f"constexprs not given: {missing}"}
     types = {**arg_types, **(extra[0] if extra else {})}
     options = {"num_warps": 4, **(extra[1] if len(extra) > 1 else {})}
     signature, attrs = {}, {}
@@ -188,20 +369,31 @@ for name, (module, kernel_name, constexprs, *extra) in variants.items():
         (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
         binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        results[name] = {"error": None, "shared": binary.metadata.shared}
+        return name, {"error": None, "shared": binary.metadata.shared}
     except Exception as error:
-        results[name] = {"error": f"{type(error).__name__}: {error}"}
+        return name, {"error": f"{type(error).__name__}: {error}"}
+
+variants, arg_types, workers = (json.loads(a) for a in sys.argv[1:])
+with multiprocessing.get_context("fork").Pool(workers) as pool:
+    results = dict(pool.imap_unordered(compile_variant, variants, chunksize=1))
 print(json.dumps(results))
 """
+
+
+# Slow compiles (fp32 FMA products, the unrolled prepare kernels) go first, so that the
+# workers (one a CPU core of the CI machine) finish together.
+SLOW = ("fp32", "prepare")
+WORKERS = 2
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """Compile in a process without TRITON_INTERPRET (interpreted kernels can't compile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = (json.dumps(x) for x in (VARIANTS, ARG_TYPES))
+    names = sorted(VARIANTS, key=lambda name: not any(word in name for word in SLOW))
+    args = (json.dumps(x) for x in ([[n, VARIANTS[n]] for n in names], ARG_TYPES, WORKERS))
     result = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+                            capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -218,6 +410,14 @@ def test_scan_stages_fit_shared_memory(compiled, variant):
     assert compiled[variant]["shared"] <= SM90_SHARED_MEMORY
 
 
+@pytest.mark.parametrize("variant", sorted(WIDE))
+def test_wide_head_dims_fit_shared_memory(compiled, variant):
+    """Past 128 key or value columns every launch fits Hopper's shared memory (the H200
+    refused the recurrence at K = V = 256 with 2 stages: 233 KB at 32 value columns,
+    257 KB at 64)."""
+    assert compiled[variant]["shared"] <= SM90_SHARED_MEMORY
+
+
 def test_scans_run_ahead_where_they_fit():
     """bf16 launches up to 64 value columns (the training forward's and the maps pass's
     too) get 3 stages; 128 value columns and fp32 inputs 2."""
@@ -231,3 +431,42 @@ def test_scans_run_ahead_where_they_fit():
                       "chunk_recurrence_kernel/maps": 3,
                       "chunk_bwd_state_kernel/columns=64": 3,
                       "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "block_k, block_v, heads, itemsize, store_output, pipelined, expected",
+    [
+        (128, 128, 64, 2, True, True, (64, 3)),  # one wave at 64 columns
+        (128, 128, 96, 2, True, True, (64, 3)),
+        (128, 128, 16, 2, True, True, (32, 3)),  # idle SMs: the narrowest blocks
+        (128, 128, 96, 4, True, True, (128, 2)),  # fp32: no third stage at 64
+        (128, 128, 96, 4, True, False, (128, 1)),  # the backward's fp32 dS scan
+        (64, 64, 96, 2, True, True, (64, 3)),
+        (128, 256, 96, 2, False, True, (64, 3)),  # the maps pass (V + K columns)
+        (16, 16, 4, 2, True, True, (16, 3)),
+        (256, 256, 96, 2, True, True, (64, 1)),  # past 128 key columns
+        (256, 256, 16, 2, True, True, (32, 1)),
+        (256, 16, 96, 2, True, True, (16, 2)),
+        (256, 256, 96, 4, True, True, (32, 1)),
+        (256, 512, 96, 2, False, True, (64, 2)),
+    ],
+)
+def test_scan_config(block_k, block_v, heads, itemsize, store_output, pipelined, expected):
+    """Up to 128 columns the scans launch as tuned on the H200; past them within its
+    shared memory and registers."""
+    got = scan_config(block_k, block_v, heads, SMS, itemsize, itemsize, store_output,
+                      SM90_SHARED_MEMORY, pipelined)  # fmt: skip
+    assert got == expected
+
+
+def test_launches_up_to_128_columns_as_tuned():
+    """The warps and steps of the K, V <= 128 launches, as measured on the H200."""
+    for block in (16, 32, 64, 128):
+        assert prepare_warps(block) == (4 if block <= 64 else 8)
+        assert scan_warps(block) == 4
+        for block_v in (16, 32, 64, 128):
+            for itemsize, stages in ((2, 2), (4, 1)):
+                launch = wy_launch(block, block_v, itemsize)
+                assert launch == (min(block_v, 32), min(block, 32), 4, stages)
+    assert [rebuild_blocks(k) for k in (16, 60, 64, 100, 128)] == [
+        (1, 16), (1, 64), (1, 64), (2, 64), (2, 64)]  # fmt: skip
