@@ -23,6 +23,7 @@ Ops (schemas are inferred from the annotations below):
   backward: a second one fails autograd's in-place check instead of reading them.
 """
 
+import warnings
 from typing import Optional
 
 import torch
@@ -179,13 +180,28 @@ for _op in (chunk_op, recurrent_op):
 
 
 # The chunk kernels' tiles hold whole head dims; past this the CUDA ops run the reference.
-CHUNK_KERNEL_MAX_HEAD_DIM = 128
+CHUNK_KERNEL_MAX_HEAD_DIM = 256
+# Past this many key columns the bf16 chunk kernels return wrong states on the H200 once a
+# sequence spans several chunks (and fault on some shapes); their fp32 build is exact there.
+BF16_CHUNK_KERNEL_MAX_KEY_DIM = 128
+
+
+def chunk_compute_dtype(q: Tensor) -> torch.dtype:
+    """The dtype ``chunk_kda`` computes q, k, v in: fp16 in fp32 (the kernels' fp16
+    intermediates w, u, qg, kd, Aqk miss FLA's tolerances, benchmarks/README.md), bf16 past
+    ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns in fp32, otherwise q's dtype."""
+    wide_bf16 = q.dtype == torch.bfloat16 and q.shape[-1] > BF16_CHUNK_KERNEL_MAX_KEY_DIM
+    return torch.float32 if q.dtype == torch.float16 or wide_bf16 else q.dtype
 
 
 def _chunk_kernels_run(q: Tensor, v: Tensor) -> bool:
     """Whether the Triton chunk kernels serve these CUDA inputs: not float64 (the oracle's
-    dtype) and head dims the kernels' shared-memory budget holds."""
-    return q.dtype != torch.float64 and max(q.shape[-1], v.shape[-1]) <= CHUNK_KERNEL_MAX_HEAD_DIM
+    dtype), head dims the kernels' shared-memory budget holds, and not bf16 past
+    ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns (``chunk_kda`` computes those in fp32;
+    the ops called directly run the reference)."""
+    if q.dtype == torch.float64 or max(q.shape[-1], v.shape[-1]) > CHUNK_KERNEL_MAX_HEAD_DIM:
+        return False
+    return q.dtype != torch.bfloat16 or q.shape[-1] <= BF16_CHUNK_KERNEL_MAX_KEY_DIM
 
 
 def _keeps_saved(q: Tensor, v: Tensor) -> bool:
@@ -531,8 +547,16 @@ def _gate_args(
     safe_gate: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[float]]:
     """The gate tensors the op sees: none unless the gate is computed in the kernel
-    (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we)."""
+    (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we, with a warning)."""
     if not use_gate_in_kernel:
+        given = {"A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
+        ignored = ", ".join(f"`{name}`" for name, value in given.items() if value is not None)
+        if ignored and not torch.compiler.is_compiling():
+            warnings.warn(
+                f"{function}: {ignored} ignored without `use_gate_in_kernel=True` "
+                "(g is then the log-decay itself, as in FLA)",
+                stacklevel=3,
+            )
         return None, None, None
     if safe_gate and not (
         lower_bound is not None and reference.SAFE_GATE_LOWER_BOUND <= lower_bound < 0
@@ -606,7 +630,8 @@ def chunk_kda(
 
     Args:
         q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64; q, k and v of
-            different dtypes are computed in the widest of them, float16 in float32.
+            different dtypes are computed in the widest of them; float16, and bfloat16
+            past 128 key columns, in float32 (:func:`chunk_compute_dtype`).
         v: ``[B, T, HV, V]`` with ``HV % H == 0``; value head ``hv`` reads q/k head
             ``hv // (HV // H)``. K, V <= 256.
         g: log-decay ``[B, T, HV, K]`` (KDA) or ``[B, T, HV]`` (Gated DeltaNet), or the raw
@@ -673,9 +698,7 @@ def chunk_kda(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    if isinstance(q, Tensor) and q.dtype == torch.float16:
-        # The chunk kernels keep w, u, qg, kd and Aqk in the input dtype; in fp16 those
-        # lose more than FLA's tolerances allow (benchmarks/README.md), fp32 keeps them.
+    if isinstance(q, Tensor) and chunk_compute_dtype(q) != q.dtype:
         q, k, v = q.float(), k.float(), v.float()
     check_delta_rule(
         "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,

@@ -180,6 +180,26 @@ def test_mixed_dtypes_run_in_the_widest(function):
     close(final, final_ref, tol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, head_k", [(torch.float16, 8), (torch.bfloat16, 192)])
+def test_chunk_computes_in_float32_where_the_kernels_need_it(dtype, head_k):
+    """fp16, and bf16 past 128 key columns, run as the fp32 call on the same values
+    (``chunk_compute_dtype``): outputs and gradients in the input dtype."""
+    x = delta_rule_inputs(batch=1, length=70, heads=1, value_heads=1, head_k=head_k, head_v=8)
+    do = torch.randn_like(x.v).to(dtype).float()
+    results = []
+    for compute in (dtype, torch.float32):
+        qkv = {n: getattr(x, n).to(dtype).to(compute).requires_grad_() for n in ("q", "k", "v")}
+        o, _ = kda_ops.chunk_kda(**qkv, g=x.g, beta=x.beta)
+        o = o.to(dtype)
+        (o.float() * do).sum().backward()
+        results.append([o] + [qkv[n].grad.to(dtype) for n in ("q", "k", "v")])
+    assert kda_ops.delta_rule.chunk_compute_dtype(x.q.to(dtype)) == torch.float32
+    assert results[0][0].dtype == dtype and results[0][1].dtype == dtype
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+    assert kda_ops.delta_rule.chunk_compute_dtype(x.q[..., :128].bfloat16()) == torch.bfloat16
+
+
 def test_chunk_states_in_the_input_dtype():
     args, _ = inputs(dtype=torch.float32)
     half = {name: t.bfloat16() for name, t in args.items()}
@@ -216,3 +236,16 @@ def test_gradient_checkpointing(function, use_reentrant):
         loss.backward()
     for p, expected in zip(primals, plain):
         close(p.grad, expected)
+
+
+@pytest.mark.parametrize("function", DELTA_RULE_FUNCTIONS)
+def test_gate_parameters_without_the_in_kernel_gate_warn(function):
+    """FLA ignores A_log / dt_bias / lower_bound unless use_gate_in_kernel; so do we, aloud."""
+    args, x = inputs()
+    plain, _ = function(**args)
+    with pytest.warns(UserWarning, match="`A_log`, `lower_bound` ignored without"):
+        o, _ = function(**args, A_log=x.A_log, lower_bound=-5.0)
+    close(o, plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        function(**args, use_gate_in_kernel=True, A_log=x.A_log, lower_bound=-5.0)
