@@ -1,6 +1,6 @@
 """Export the hybrid model's prefill and decode steps to ONNX, in both modes.
 
-``python -m examples.export_onnx OUT_DIR`` (from the repository root) writes
+``python examples/export_onnx.py [OUT_DIR]`` (from the repository root) writes
 ``{prefill,decode}_{portable,plugin}.onnx`` for the tiny :class:`HybridConfig` model.
 Inputs are ``input_ids`` then every state
 (``layer{i}.conv_q`` ... ``layer{i}.length``, see ``lowering.export.state_names``); outputs
@@ -11,10 +11,14 @@ TensorRT (``lowering/tensorrt.py``).
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root holds `examples`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from examples.hybrid_model import HybridConfig, HybridLM
 from lowering import export
@@ -46,7 +50,10 @@ def export_hybrid(
 
 
 def main() -> None:
-    out_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "onnx_out")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default="onnx_out", type=pathlib.Path,
+                        help="where the .onnx files go (default: onnx_out)")  # fmt: skip
+    out_dir = parser.parse_args().out_dir
     torch.manual_seed(0)
     model = HybridLM(HybridConfig()).eval().requires_grad_(False)
     for (step, mode), path in export_hybrid(model, out_dir).items():

@@ -1,6 +1,6 @@
 """Build TensorRT engines for the hybrid model's decode and prefill steps.
 
-``python -m examples.export_tensorrt OUT_DIR`` (from the repository root, on a machine
+``python examples/export_tensorrt.py [OUT_DIR]`` (from the repository root, on a machine
 with an sm_90 GPU, TensorRT >= 10.x with ``tensorrt.plugin``, and for (a) Torch-TensorRT)
 writes, per step:
 
@@ -18,11 +18,15 @@ message; it has never been run (TensorRT cannot be installed where it was writte
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import pathlib
 import sys
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root holds `examples`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from examples import export_onnx
 from examples.hybrid_model import HybridConfig, HybridLM
@@ -35,7 +39,7 @@ def require_tensorrt() -> None:
     """Exit with a clear message when TensorRT (``tensorrt.plugin``) is not importable."""
     if importlib.util.find_spec("tensorrt") is None:
         sys.exit(
-            "examples.export_tensorrt needs TensorRT >= 10.x (`tensorrt.plugin`) and an sm_90 "
+            "examples/export_tensorrt.py needs TensorRT >= 10.x (`tensorrt.plugin`) and an sm_90 "
             "GPU; `tensorrt` is not importable here."
         )
 
@@ -96,8 +100,11 @@ def build_from_program(model: HybridLM, step: str) -> bytes:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default="trt_out", type=pathlib.Path,
+                        help="where the engines and ONNX files go (default: trt_out)")  # fmt: skip
+    out_dir = parser.parse_args().out_dir
     require_tensorrt()
-    out_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "trt_out")
     torch.manual_seed(0)
     model = HybridLM(HybridConfig()).eval().requires_grad_(False)
     onnx_files = export_onnx.export_hybrid(model, out_dir, modes=("plugin",))

@@ -3,9 +3,13 @@
 Runs on CPU (the reference kernels) or on a CUDA GPU. Usage: ``python examples/quickstart.py``.
 """
 
+import argparse
+
 import torch
 
 import kda_ops
+
+argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
