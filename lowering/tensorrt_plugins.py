@@ -259,20 +259,33 @@ def _compile_aot(name: str, *args: Any) -> tuple:
     return compiled.metadata.name, compiled.asm["ptx"], params, scalars
 
 
+def return_annotations(name: str, trtp: Any) -> dict[str, Any]:
+    """The return annotations QDP's validators require of ``name``'s three functions, from
+    the ``tensorrt.plugin`` module ``trtp``: ``register`` a tuple of one ``TensorDesc`` per
+    output, ``autotune`` ``list[AutoTuneCombination]``, ``aot_impl`` ``(kernel name, PTX,
+    KernelLaunchParams, SymIntExprs)`` (a bare ``list`` / ``tuple`` is refused)."""
+    return {
+        "register": tuple[(trtp.TensorDesc,) * len(SPECS[name].outputs)],
+        "autotune": list[trtp.AutoTuneCombination],
+        "aot_impl": tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs],
+    }
+
+
 def _register_one(name: str) -> None:
     import tensorrt.plugin as trtp
 
     spec = SPECS[name]
     plugin_id = f"{NAMESPACE}::{name}"
     inputs, attrs = spec.kernel.inputs, spec.attributes
-    returns = tuple[(trtp.TensorDesc,) * len(spec.outputs)]
+    returns = return_annotations(name, trtp)
     # ``outputs`` / ``tactic`` stay unannotated (QDP's annotations are optional there).
     outputs = [("outputs", inspect.Parameter.empty)]
-    trtp.register(plugin_id)(_bound(_describe, name, _signature(inputs, attrs, ()), returns))
+    register_params = _signature(inputs, attrs, ())
+    trtp.register(plugin_id)(_bound(_describe, name, register_params, returns["register"]))
     autotune_params = _signature(inputs, {}, outputs)
-    trtp.autotune(plugin_id)(_bound(_autotune, name, autotune_params, list))
+    trtp.autotune(plugin_id)(_bound(_autotune, name, autotune_params, returns["autotune"]))
     aot_params = _signature(inputs, attrs, [*outputs, ("tactic", inspect.Parameter.empty)])
-    trtp.aot_impl(plugin_id)(_bound(_compile_aot, name, aot_params, tuple))
+    trtp.aot_impl(plugin_id)(_bound(_compile_aot, name, aot_params, returns["aot_impl"]))
 
 
 @functools.cache

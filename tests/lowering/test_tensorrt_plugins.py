@@ -12,6 +12,8 @@ import math
 import pathlib
 import subprocess
 import sys
+import types
+import typing
 
 import pytest
 import torch
@@ -238,6 +240,29 @@ def test_attributes_match_the_onnx_plugin_node_attributes():
 
     for name in qdp.SPECS:
         assert list(qdp.SPECS[name].attributes) == kda_onnx.PLUGIN_OPS[name]["attributes"]
+
+
+# The tensorrt.plugin classes the annotations name, as stand-ins: TensorRT cannot be
+# installed where CI runs; test_register_plugins_with_tensorrt registers for real.
+QDP_TYPES = types.SimpleNamespace(**{name: type(name, (), {}) for name in (
+    "TensorDesc", "AutoTuneCombination", "KernelLaunchParams", "SymIntExprs")})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(qdp.SPECS))
+def test_return_annotations_follow_the_qdp_contract(name):
+    """QDP's validators read the return annotations and refuse a bare list or tuple:
+    register returns one TensorDesc per output, autotune a list of AutoTuneCombination,
+    aot_impl (kernel name, PTX) as str or bytes, then KernelLaunchParams and SymIntExprs."""
+    returns = qdp.return_annotations(name, QDP_TYPES)
+    assert typing.get_origin(returns["register"]) is tuple
+    assert typing.get_args(returns["register"]) == (QDP_TYPES.TensorDesc,) * len(
+        qdp.SPECS[name].outputs)  # fmt: skip
+    assert typing.get_origin(returns["autotune"]) is list
+    assert typing.get_args(returns["autotune"]) == (QDP_TYPES.AutoTuneCombination,)
+    assert typing.get_origin(returns["aot_impl"]) is tuple
+    kernel_name, ptx, params, scalars = typing.get_args(returns["aot_impl"])
+    assert set(typing.get_args(kernel_name)) == set(typing.get_args(ptx)) == {str, bytes}
+    assert (params, scalars) == (QDP_TYPES.KernelLaunchParams, QDP_TYPES.SymIntExprs)
 
 
 def test_register_plugins_with_tensorrt():
