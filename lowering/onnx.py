@@ -586,6 +586,33 @@ def translation_table(mode: str = "portable") -> dict[torch._ops.OpOverload, Cal
     raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
 
 
+def register_default_translations(mode: str = "portable") -> None:
+    """Make every later ``torch.onnx.export(..., dynamo=True)`` translate the ``kda`` ops
+    in ``mode`` without the caller naming :func:`translation_table` (transformers'
+    ``OnnxExporter``, for one, passes a table of its own). A caller's
+    ``custom_translation_table`` still wins: the exporter tries its entries first.
+    Importing this module registers the portable mode; calling again replaces the mode.
+
+    The exporter builds its registry from ``torch.onnx``'s torchlib list on every export;
+    the entries go there (an internal list of torch >= 2.11: a ``RuntimeError`` names
+    what is missing if a torch release moves it)."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+    except ImportError as error:
+        raise RuntimeError(
+            f"lowering.onnx: this torch ({torch.__version__}) has no exporter registry to "
+            f"hold the kda translations ({error}); pass `custom_translation_table="
+            "lowering.onnx.translation_table()` to torch.onnx.export instead"
+        ) from error
+    table = translation_table(mode)
+    registry = _torchlib_registry._registry
+    registry[:] = [meta for meta in registry if meta.fx_target not in table]
+    for target, function in table.items():
+        meta = _registration.OnnxDecompMeta(function, target, signature=None, is_custom=True)
+        registry.append(meta)
+
+
 def export_onnx(
     program: torch.export.ExportedProgram,
     path: str,
@@ -601,3 +628,6 @@ def export_onnx(
     )  # fmt: skip
     onnx_program.save(path)
     return onnx.load(path)
+
+
+register_default_translations()

@@ -86,6 +86,10 @@ def enable(targets: Optional[Iterable[str]] = None) -> tuple[str, ...]:
             raise ImportError(f"kda_ops.integrations: target {name!r} needs `{package}`")
         if not _ACTIVE[name].active:
             _ACTIVE[name].apply(factory())
+    if _installed("onnxscript"):
+        # The patched models now hold kda ops: any torch.onnx.export of them (transformers'
+        # OnnxExporter included) finds their translations without naming our table.
+        importlib.import_module("lowering.onnx")
     return enabled()
 
 

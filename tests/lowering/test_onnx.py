@@ -297,3 +297,27 @@ def test_bad_mode_and_plugin_varlen_raise():
         kda_onnx.translation_table("tensorrt")
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda_onnx.plugin_causal_conv1d(None, None, None, None, object(), "silu")
+
+
+@pytest.mark.parametrize(
+    "case", ["kda_gqa_gate_in_kernel", "conv_state", "norm_silu_softplus_gate"]
+)
+def test_any_onnx_export_finds_the_portable_translations(case, tmp_path):
+    """Importing lowering.onnx registers the portable translations with the exporter:
+    torch.onnx.export without a custom_translation_table translates the kda ops."""
+    fn, args = CASES[case]()
+    module = OpCase(fn)
+    torch.onnx.export(module, args, dynamo=True).save(str(tmp_path / "op.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "op.onnx"))
+    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+    for got, expected in zip(session.run(None, feeds), module(*args)):
+        torch.testing.assert_close(torch.from_numpy(got), expected)
+
+
+def test_a_callers_translation_table_wins_over_the_registered_one():
+    fn, args = CASES["conv_state"]()
+    program = torch.export.export(OpCase(fn), args)
+    table = kda_onnx.translation_table("plugin")
+    model = torch.onnx.export(program, dynamo=True, custom_translation_table=table).model
+    domains = {node.domain for node in model.graph}
+    assert kda_onnx.PLUGIN_DOMAIN in domains

@@ -170,6 +170,23 @@ def test_export_decode_step_with_states_as_io(model, enabled):
         torch.testing.assert_close(got, want)
 
 
+@torch.no_grad()
+def test_transformers_onnx_exporter_converts_the_patched_model(model, enabled):
+    """transformers' own OnnxExporter passes its own translation table; the kda ops'
+    translations are found anyway, and onnxruntime gives the unpatched model's logits."""
+    pytest.importorskip("onnxruntime")
+    from transformers.exporters.exporter_onnx import OnnxConfig, OnnxExporter
+
+    name, net = model
+    inputs = {"input_ids": _prompt(9)}
+    exported = OnnxExporter().export(net, dict(inputs), config=OnnxConfig(dynamic=False))
+    targets = {node.domain + node.op_type for node in exported.program.graph.all_nodes()}
+    assert not any("kda" in target for target in targets)  # portable: standard ops only
+    with transformers_reference(name):
+        expected = net(**inputs).logits
+    torch.testing.assert_close(torch.as_tensor(exported(**inputs)["logits"]), expected)
+
+
 def _kernel_functions(target: str) -> tuple[object, list[str], str]:
     from kda_ops.integrations import kimi_linear, qwen3_next
 
