@@ -302,6 +302,8 @@ def register_plugins() -> tuple[str, ...]:
 # ----------------------------------------------------------------- Torch-TensorRT
 
 OPTIONAL_TENSORS = ("A_log", "dt_bias", "initial_state", "bias")
+# Absent ones a converter fills with zeros (as plugin-mode ONNX does): a conv without bias.
+ZERO_FILLED = ("bias",)
 
 
 def bind_arguments(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict:
@@ -320,8 +322,23 @@ def bind_arguments(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) 
 def convertible(bound: Mapping[str, Any]) -> bool:
     """Whether a ``kda`` op call has a plugin form: every optional tensor present (TensorRT
     plugins take no optional inputs) and no packed sequences."""
-    present = all(bound.get(n, True) is not None for n in OPTIONAL_TENSORS)
+    required = (n for n in OPTIONAL_TENSORS if n not in ZERO_FILLED)
+    present = all(bound.get(n, True) is not None for n in required)
     return present and bound.get("cu_seqlens") is None
+
+
+def _zero_bias(ctx: Any, weight: Any, name: str) -> Any:
+    """A zero conv bias ``[D]`` in the weight's dtype, for a plugin that takes no optional
+    inputs; ``weight`` is a ``torch.Tensor`` constant or a TensorRT ``ITensor``."""
+    import numpy as np
+    import torch
+    from torch_tensorrt.dynamo.conversion.converter_utils import get_trt_tensor
+
+    channels = weight.shape[0]
+    if isinstance(weight, torch.Tensor):
+        return get_trt_tensor(ctx, torch.zeros(channels, dtype=weight.dtype), name)
+    zeros = get_trt_tensor(ctx, np.zeros(channels, dtype=np.float32), name)
+    return ctx.net.add_cast(zeros, weight.dtype).get_output(0)
 
 
 def delta_attributes(bound: Mapping[str, Any]) -> dict[str, Any]:
@@ -377,6 +394,8 @@ def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: st
     from torch_tensorrt.dynamo.conversion.converter_utils import get_trt_tensor
 
     bound = bind_arguments(target._schema, args, kwargs)
+    if op == "causal_conv1d" and bound["bias"] is None:
+        bound["bias"] = _zero_bias(ctx, bound["weight"], f"{name}_bias")
     values: dict[str, Any] = {}
     for plugin, sources, attrs in plugin_chain(op, bound):
         inputs = [values[s] if "." in s else get_trt_tensor(ctx, bound[s], f"{name}_{s}")

@@ -302,6 +302,15 @@ def test_torch_op_plugin_chain_is_wired(op):
     assert len(qdp.OP_OUTPUTS[op]) == len(schema.returns)
 
 
+def test_conv_without_bias_converts_with_a_zero_bias():
+    """The example's short convs have no bias: they convert (the converter adds zeros)
+    rather than stay in PyTorch, where a whole-graph engine build cannot leave them."""
+    schema = torch.ops.kda.causal_conv1d.default._schema
+    names = [a.name for a in schema.arguments]
+    call = {**dict.fromkeys(names, "tensor"), **OP_CALLS["causal_conv1d"], "bias": None}
+    assert qdp.convertible(qdp.bind_arguments(schema, [], call))
+
+
 def test_calls_with_absent_optionals_or_packed_sequences_stay_in_pytorch():
     schema = torch.ops.kda.recurrent.default._schema
     full = {a.name: "tensor" for a in schema.arguments}
