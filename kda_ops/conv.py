@@ -88,17 +88,24 @@ def causal_conv1d_update_inplace_reference(
     state_indices: Optional[Tensor],
     activation: str,
 ) -> Tensor:
-    """Advances slots of the pool ``conv_state`` ``[P, D, W - 1]`` by x ``[N, T, D]``.
+    """Advances slots of the pool ``conv_state`` ``[P, D, S]`` by x ``[N, T, D]``.
 
-    Sequence n uses slot ``state_indices[n]`` (slot n without indices); a negative index
-    marks padding: zero history, nothing written back.
+    A slot keeps the last ``S >= W - 1`` inputs: ``W - 1`` in kda's layout, ``W`` in
+    transformers' and Mamba's (whose oldest entry the conv never reads); the update writes
+    the last S inputs of (slot, x). Sequence n uses slot ``state_indices[n]`` (slot n
+    without indices); a negative index marks padding: zero history, nothing written back.
     """
+    kept = conv_state.shape[-1]
     if state_indices is None:
         history = conv_state
     else:
         valid = state_indices >= 0
         history = torch.where(valid[:, None, None], conv_state[state_indices.clamp(min=0)], 0)
-    y, final = reference.causal_conv1d(x, weight, bias, history, None, activation)
+    window = history[..., kept - (weight.shape[1] - 1) :]
+    y, final = reference.causal_conv1d(x, weight, bias, window, None, activation)
+    if kept != weight.shape[1] - 1:
+        inputs = torch.cat([history, x.transpose(1, 2).to(history.dtype)], dim=-1)
+        final = inputs[..., inputs.shape[-1] - kept :]
     if state_indices is None:
         conv_state.copy_(final)
     else:
@@ -144,7 +151,9 @@ if kernels.AVAILABLE:
 
     @causal_conv1d_update_inplace_op.register_kernel("cuda")
     def _(x, conv_state, weight, bias, state_indices, activation):
-        if _uses_reference(x, conv_state, weight, bias):
+        # The prefill kernels keep W - 1 inputs; the decode step kernel any S >= W - 1.
+        longer_state_prefill = conv_state.shape[-1] != weight.shape[1] - 1 and x.shape[1] != 1
+        if _uses_reference(x, conv_state, weight, bias) or longer_state_prefill:
             return causal_conv1d_update_inplace_reference(
                 x, conv_state, weight, bias, state_indices, activation
             )
@@ -257,7 +266,9 @@ def causal_conv1d_update_inplace(
 
     Args:
         x: ``[N, D]`` or ``[N, T, D]``.
-        conv_state: pool ``[P, D, W - 1]``, updated in place.
+        conv_state: pool ``[P, D, S]``, updated in place: each slot keeps the last
+            ``S >= W - 1`` inputs (``W - 1`` as :func:`causal_conv1d_update`; transformers'
+            and Mamba's caches keep ``W``, and are read and written in their layout).
         state_indices: int32/int64 ``[N]``: sequence n uses slot ``state_indices[n]``; a
             negative index marks padding (zero history, nothing written). Without it,
             ``P == N``.
@@ -274,8 +285,9 @@ def causal_conv1d_update_inplace(
         pool_size = tokens.shape[0]
     else:
         check.state_indices(state_indices, tokens.shape[0])
-    check.shape("conv_state", state, (pool_size, *_state_layout(tokens, weight)),
-                "(P, D, W - 1)")  # fmt: skip
+    channels, kept = _state_layout(tokens, weight)
+    check.shape("conv_state", state, (pool_size, channels, max(kept, state.shape[2])),
+                "(P, D, S), S >= W - 1")  # fmt: skip
     check.same_device(
         x=tokens, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices
     )

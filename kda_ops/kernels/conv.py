@@ -376,40 +376,43 @@ def conv_final_state_kernel(
 @triton.jit
 def conv_step_kernel(
     x, weight, bias, state_in, state_indices, y, state_out,
-    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):  # fmt: skip
-    """One token per sequence: the window is the W - 1 kept inputs, then x. Reads the
-    state once, writes y and the window's last W - 1 entries as the new state. Each
-    program owns its channels of one slot, so state_out may be state_in."""
+    """One token per sequence, a state of S >= W - 1 kept inputs (W - 1 in kda's layout, W
+    in transformers' and Mamba's): the row is the S kept inputs, then x, and the window
+    its last W entries. Reads the state once, writes y and the row's last S entries as the
+    new state. Each program owns its channels of one slot, so state_out may be state_in."""
     i_d, i_n = tl.program_id(0), tl.program_id(1)
     cols = i_d * BD + tl.arange(0, BD)
     taps = tl.arange(0, BW)
     mask_d = cols < D
     slot = _state_slot(state_indices, i_n, USE_INDICES)
     mask_slot = mask_d & (cols * 0 + slot >= 0)  # a negative index: padding
-    slot_base = slot * (D * (W - 1))  # the one 64-bit product; offsets in the slot are int32
-    slot_offsets = cols[:, None] * (W - 1)
-    window = tl.zeros([BD, BW], dtype=tl.float32)
+    slot_base = slot * (D * S)  # the one 64-bit product; offsets in the slot are int32
+    slot_offsets = cols[:, None] * S
+    row = tl.zeros([BD, BW], dtype=tl.float32)
     if HAS_STATE:
-        kept = mask_slot[:, None] & (taps < W - 1)[None, :]
-        window = tl.load(state_in + slot_base + slot_offsets + taps[None, :], mask=kept,
-                         other=0.0)  # fmt: skip
-        window = window.to(tl.float32)
+        kept = mask_slot[:, None] & (taps < S)[None, :]
+        row = tl.load(state_in + slot_base + slot_offsets + taps[None, :], mask=kept,
+                      other=0.0)  # fmt: skip
+        row = row.to(tl.float32)
     b_x = tl.load(x + i_n.to(tl.int64) * D + cols, mask=mask_d, other=0.0).to(tl.float32)
-    window = tl.where(taps[None, :] == W - 1, b_x[:, None], window)
-    b_w = tl.load(weight + cols[:, None] * W + taps[None, :],
-                  mask=mask_d[:, None] & (taps < W)[None, :], other=0.0).to(tl.float32)  # fmt: skip
-    acc = tl.sum(window * b_w, axis=1)
+    row = tl.where(taps[None, :] == S, b_x[:, None], row)
+    first = S + 1 - W  # the row's entry under tap 0
+    in_window = (taps >= first) & (taps <= S)
+    b_w = tl.load(weight + cols[:, None] * W + (taps - first)[None, :],
+                  mask=mask_d[:, None] & in_window[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    acc = tl.sum(row * b_w, axis=1)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * fast_sigmoid(acc)
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask_d)
-    shifted = mask_slot[:, None] & ((taps >= 1) & (taps < W))[None, :]
+    shifted = mask_slot[:, None] & ((taps >= 1) & (taps <= S))[None, :]
     tl.store(state_out + slot_base + slot_offsets + (taps - 1)[None, :],
-             window.to(state_out.dtype.element_ty), mask=shifted)  # fmt: skip
+             row.to(state_out.dtype.element_ty), mask=shifted)  # fmt: skip
 
 
 @triton.jit
@@ -550,11 +553,9 @@ def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols,
     tl.store(slot_out + values + 16, c, mask=kept)
 
 
-# Token rows of a program's tile (4 warps, 128 channels). H200, T = 8192, D = 4096, W = 4,
-# CUDA-graph timing: the prefill with a state took 47.4 us at 32 rows, 49.3 at 64 and
-# 85.7 at 32 rows on 8 warps (sm_90: 96 registers at 32 rows, 168 at 64; 104 at 32 since
-# the final state moved in); forward and backward took 1063 us with the backward's dz / dx
-# kernels at 64 rows, 1126 at 32.
+# Token rows of a program's tile (4 warps, 128 channels): 32 in the prefill, where 64 rows
+# take more registers and are slower (8 warps slower still); 64 in the backward, whose
+# dz / dx kernels run faster at 64 than at 32 (timings in benchmarks/README.md).
 PREFILL_ROWS, BACKWARD_ROWS = 32, 64
 
 
@@ -567,9 +568,9 @@ def _tile_sizes(rows: int, length: int, channels: int) -> tuple[int, int]:
 
 def _step_sequences_per_program(programs: int, sms: int) -> int:
     """NB of :func:`conv_step_w4_kernel` given its program count at NB = 1: up to 8
-    sequences share a program's weight load while at least two programs an SM remain.
-    H200, D = 12288, B = 256 (3072 programs at NB = 1), CUDA graph: 17.2 us at NB = 1,
-    16.9 at 2 and at 4, 16.4 at 8."""
+    sequences share a program's weight load while at least two programs an SM remain:
+    with many sequences the shared load shortens the step a little, with few the SMs would
+    idle."""
     per_program = 8
     while per_program > 1 and programs < 2 * per_program * sms:
         per_program //= 2
@@ -586,11 +587,12 @@ def _launch_step(
     y: Tensor,
     flags: dict,
 ) -> None:
-    """One token per sequence (x ``[N, 1, D]``): one kernel, y and the new state."""
+    """One token per sequence (x ``[N, 1, D]``): one kernel, y and the new state (of
+    ``state_out.shape[-1] >= W - 1`` entries)."""
     batch, _, channels = x.shape
-    width = weight.shape[1]
-    if width == 4 and channels % 8 == 0:
-        # A thread per 8 channels (1024 a program): 12 x 256 programs for D = 12288, B = 256.
+    width, kept = weight.shape[1], state_out.shape[-1]
+    if width == 4 and channels % 8 == 0 and kept == width - 1:
+        # A thread per 8 channels, up to 128 threads (1024 channels) a program.
         groups = min(128, next_power_of_2(channels // 8))
         programs = cdiv(channels // 8, groups) * batch
         per_program = _step_sequences_per_program(programs, processors(x.device))
@@ -604,7 +606,7 @@ def _launch_step(
     block_d = min(512, next_power_of_2(channels))
     conv_step_kernel[(cdiv(channels, block_d), batch)](
         x, weight, bias, state_in, state_indices, y, state_out,
-        D=channels, W=width, BD=block_d, BW=next_power_of_2(width), **flags,
+        D=channels, W=width, S=kept, BD=block_d, BW=next_power_of_2(kept + 1), **flags,
     )  # fmt: skip
 
 
@@ -619,7 +621,9 @@ def launch_causal_conv1d(
     activation: str,
 ) -> Tensor:
     """Writes the final conv states into ``state_out`` (may be ``state_in``, the in-place
-    pool) and returns y ``[B, T, D]`` in x's dtype."""
+    pool) and returns y ``[B, T, D]`` in x's dtype. The decode step (T = 1, no
+    ``cu_seqlens``) also takes states of S > W - 1 entries (the last S inputs, as
+    transformers and Mamba keep W); the prefill kernels take W - 1."""
     x, weight = x.contiguous(), weight.contiguous()
     if state_in is not None and not state_in.is_contiguous():
         # The kernels index a dense [N, D, W - 1]; views such as FLA's cache[..., 1:] are not.

@@ -80,6 +80,27 @@ def test_conv_update_inplace_several_tokens_without_indices():
     torch.testing.assert_close(pool, new_state, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("length", [1, 3])
+def test_conv_update_inplace_whole_window_state_as_transformers(length):
+    """A ``[N, D, W]`` state (transformers' and Mamba's layout) is advanced in place as
+    transformers' ``torch_causal_conv1d_update`` does: the last W inputs kept."""
+    x = torch.randn(2, length, 6)
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    state = torch.randn(2, 6, 4)
+    inputs = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    conv = torch.nn.functional.conv1d(inputs, weight.unsqueeze(1), bias, groups=6)
+    y_ref = torch.nn.functional.silu(conv[..., -length:]).transpose(1, 2)
+    y = kda_ops.causal_conv1d_update_inplace(x, state, weight, bias)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(state, inputs[..., -4:], rtol=0, atol=0)
+
+
+def test_conv_update_inplace_rejects_a_state_shorter_than_the_window():
+    with pytest.raises(ValueError, match="S >= W - 1"):
+        state = torch.randn(2, 6, 2)
+        kda_ops.causal_conv1d_update_inplace(torch.randn(2, 6), state, torch.randn(6, 4))
+
+
 def test_recurrent_inplace_bf16_pool_rounds_once_per_step():
     x = delta_rule_inputs(batch=2, length=1, dtype=torch.float32)
     pool16 = torch.randn(3, 2, 8, 4).bfloat16()

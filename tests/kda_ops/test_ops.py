@@ -158,9 +158,10 @@ def test_opcheck_causal_conv1d(length, optionals, requires_grad):
 
 
 @pytest.mark.parametrize("with_indices", [False, True])
-def test_opcheck_conv_update_inplace(with_indices):
+@pytest.mark.parametrize("kept", [3, 4], ids=["kda_state", "whole_window_state"])
+def test_opcheck_conv_update_inplace(with_indices, kept):
     x = torch.randn(3, 1, 5, dtype=torch.float64)
-    pool = torch.randn(7 if with_indices else 3, 5, 3, dtype=torch.float64)
+    pool = torch.randn(7 if with_indices else 3, 5, kept, dtype=torch.float64)
     indices = torch.tensor([6, -1, 2]) if with_indices else None
     args = (x, pool, torch.randn(5, 4, dtype=torch.float64), None, indices, "silu")
     opcheck(torch.ops.kda.causal_conv1d_update_.default, args)

@@ -221,3 +221,22 @@ def test_causal_conv1d_strided_state(length, in_place):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(state, state_ref)
     torch.testing.assert_close(cache[..., 0], before[..., 0])
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("extra", [1, 2])  # S = W (transformers, Mamba) and S = W + 1
+@pytest.mark.parametrize("channels", [10, 16])  # 16: the W = 4 vector path's D, not taken
+def test_conv_step_longer_state_in_place(width, extra, channels):
+    """A pool of S = W - 1 + extra kept inputs, through indices (padding included): the
+    step reads the last W - 1, and writes the last S inputs back in the pool's layout."""
+    x, weight, bias = conv_inputs(torch.float32, 3, 1, channels=channels, width=width)
+    pool = torch.randn(5, channels, width - 1 + extra, device=DEVICE)
+    before = pool.clone()
+    indices = torch.tensor([3, -1, 0], device=DEVICE)
+    history = torch.where((indices >= 0)[:, None, None], before[indices.clamp(min=0)], 0)
+    y_ref, _ = reference.causal_conv1d(x, weight, bias, history[..., extra:], None, "silu")
+    y = launch_causal_conv1d(x, weight, bias, pool, pool, indices, None, "silu")
+    torch.testing.assert_close(y, y_ref)
+    shifted = torch.cat([history[..., 1:], x.transpose(1, 2)], dim=-1)
+    torch.testing.assert_close(pool[[3, 0]], shifted[[0, 2]])
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
