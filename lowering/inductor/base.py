@@ -8,9 +8,10 @@ import inspect
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
-from torch._inductor.pattern_matcher import PatternMatcherPass
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass
 
 log = logging.getLogger("lowering.inductor")
 
@@ -44,13 +45,33 @@ class KDAInductorPass(ABC):
     def __call__(self, graph: torch.fx.Graph) -> int:
         count = self.apply(graph)
         self.matches += count
-        level = logging.WARNING if os.environ.get(LOG_ENV, "0") not in ("", "0") else logging.DEBUG
-        log.log(level, "kda pass %s: %d match(es)", self.name, count)
+        log.log(_level(), "kda pass %s: %d match(es)", self.name, count)
         return count
+
+    def log_match(self, formulation: str, nodes: list[torch.fx.Node]) -> None:
+        """Log (at the :data:`LOG_ENV` level) that ``formulation`` matched at ``nodes``:
+        the model source line of the first node that has one, else the node's name."""
+        log.log(_level(), "kda pass %s: matched %s at %s", self.name, formulation,
+                _location(nodes))  # fmt: skip
 
     def uuid(self) -> str:
         """Hash of the file that defines this pass (and its base)."""
         return source_hash(type(self), KDAInductorPass)
+
+
+def _level() -> int:
+    return logging.WARNING if os.environ.get(LOG_ENV, "0") not in ("", "0") else logging.DEBUG
+
+
+def _location(nodes: list[torch.fx.Node]) -> str:
+    """``file:line (function)`` of the innermost frame in the first node's stack trace."""
+    for node in nodes:
+        frames = [line.strip() for line in node.meta.get("stack_trace", "").splitlines()]
+        frames = [line for line in frames if line.startswith("File ")]
+        if frames:  # 'File "/path/x.py", line 12, in fn'
+            path, line, function = frames[-1].split(", ", 2)
+            return f"{os.path.basename(path[6:-1])}:{line[5:]} ({function[3:]})"
+    return f"node {nodes[0].name}" if nodes else "?"
 
 
 class PatternPass(KDAInductorPass):
@@ -64,6 +85,18 @@ class PatternPass(KDAInductorPass):
     @abstractmethod
     def register(self, patterns: PatternMatcherPass) -> None:
         """Add this pass's replacements to ``patterns``."""
+
+    def logged(self, formulation: str, check: Callable[[Match], bool]) -> Callable[[Match], bool]:
+        """``check`` as a ``register_replacement`` extra_check that logs each accepted match
+        as ``formulation`` (the extra check is the last one before the rewrite)."""
+
+        def extra_check(match: Match) -> bool:
+            if not check(match):
+                return False
+            self.log_match(formulation, list(match.nodes))
+            return True
+
+        return extra_check
 
     def apply(self, graph: torch.fx.Graph) -> int:
         if self._patterns is None:
