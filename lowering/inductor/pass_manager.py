@@ -11,13 +11,23 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from lowering.inductor.base import KDAInductorPass, source_hash
 from lowering.inductor.conv_update import ConvUpdatePass
+from lowering.inductor.conv_update_roll import ConvUpdateRollPass
+from lowering.inductor.conv_update_transformers import ConvUpdateTransformersPass
+from lowering.inductor.conv_update_window import ConvUpdateWindowPass
 from lowering.inductor.gated_rms_norm import GatedRMSNormPass
 from lowering.inductor.recurrent_state import RecurrentStatePass
 
 
 def default_passes() -> list[KDAInductorPass]:
     """The kda fusions, in the order they run."""
-    return [RecurrentStatePass(), ConvUpdatePass(), GatedRMSNormPass()]
+    return [
+        RecurrentStatePass(),  # a written-back kda.recurrent -> kda.recurrent_ on its state
+        ConvUpdatePass(),  # kda's own W - 1 state conv step (examples/hybrid_model.py)
+        ConvUpdateWindowPass(),  # a W-column state shifted by cat(state[..., 1:], x)
+        ConvUpdateTransformersPass(),  # transformers' torch_causal_conv1d_update (F.conv1d)
+        ConvUpdateRollPass(),  # Mamba / causal-conv1d's roll, assign, weighted sum
+        GatedRMSNormPass(),  # kda's own fp32 gated RMSNorm (examples/hybrid_model.py)
+    ]
 
 
 class KDAPassManager(CustomGraphPass):

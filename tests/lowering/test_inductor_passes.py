@@ -105,7 +105,7 @@ def test_counts_accumulate_and_reset():
     x, gate, weight = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8)
     for _ in range(2):
         manager(_trace(lambda *a: gated_rms_norm_torch(*a, 1e-6), (x, gate, weight)).graph)
-    assert manager.counts == {"recurrent_state": 0, "conv_update": 0, "gated_rms_norm": 2}
+    assert manager.counts == {**dict.fromkeys(manager.counts, 0), "gated_rms_norm": 2}
     manager.reset_counts()
     assert set(manager.counts.values()) == {0}
 
