@@ -4,23 +4,39 @@
   entry point), or ``torch.compile(model, backend=kda_backend)``.
 - Stock inductor: ``torch.compile(model, options=inductor_options())``.
 
-Passes (one module each): ``gated_rms_norm`` (plain-op gated RMSNorm -> ``kda.gated_rms_norm``),
-``conv_update`` (plain-op conv decode step -> in-place ``kda.causal_conv1d_update_``),
-``recurrent_state`` (written-back ``kda.recurrent`` -> in-place ``kda.recurrent_``).
-Set ``KDA_LOG_PASSES=1`` to log the match counts of every compiled graph.
+Passes (one module per formulation; ``pass_manager.default_passes`` says why each is there):
+gated RMSNorm -> ``kda.gated_rms_norm`` as kda's example writes it (``gated_rms_norm``),
+as transformers' Qwen3-Next / Kimi Linear / GLM5-next modules do
+(``gated_rms_norm_transformers``) and as FLA's reference does (``gated_rms_norm_fla``);
+the conv decode step -> in-place ``kda.causal_conv1d_update_`` on a ``W - 1`` state
+(``conv_update``), a whole-window state (``conv_update_window``), transformers'
+``torch_causal_conv1d_update`` (``conv_update_transformers``) and Mamba's roll-and-assign
+(``conv_update_roll``); written-back ``kda.recurrent`` -> in-place ``kda.recurrent_``
+(``recurrent_state``). Set ``KDA_LOG_PASSES=1`` to log the match counts of every compiled
+graph and, for each match, the formulation and the model source line.
 """
 
 from lowering.inductor.backend import PASS_MANAGER, inductor_options, kda_backend
 from lowering.inductor.base import KDAInductorPass, PatternPass
 from lowering.inductor.conv_update import ConvUpdatePass
+from lowering.inductor.conv_update_roll import ConvUpdateRollPass
+from lowering.inductor.conv_update_transformers import ConvUpdateTransformersPass
+from lowering.inductor.conv_update_window import ConvUpdateWindowPass
 from lowering.inductor.gated_rms_norm import GatedRMSNormPass
+from lowering.inductor.gated_rms_norm_fla import GatedRMSNormFLAPass
+from lowering.inductor.gated_rms_norm_transformers import GatedRMSNormTransformersPass
 from lowering.inductor.pass_manager import KDAPassManager, default_passes
 from lowering.inductor.recurrent_state import RecurrentStatePass
 
 __all__ = [
     "PASS_MANAGER",
     "ConvUpdatePass",
+    "ConvUpdateRollPass",
+    "ConvUpdateTransformersPass",
+    "ConvUpdateWindowPass",
+    "GatedRMSNormFLAPass",
     "GatedRMSNormPass",
+    "GatedRMSNormTransformersPass",
     "KDAInductorPass",
     "KDAPassManager",
     "PatternPass",

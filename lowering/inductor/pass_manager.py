@@ -15,6 +15,8 @@ from lowering.inductor.conv_update_roll import ConvUpdateRollPass
 from lowering.inductor.conv_update_transformers import ConvUpdateTransformersPass
 from lowering.inductor.conv_update_window import ConvUpdateWindowPass
 from lowering.inductor.gated_rms_norm import GatedRMSNormPass
+from lowering.inductor.gated_rms_norm_fla import GatedRMSNormFLAPass
+from lowering.inductor.gated_rms_norm_transformers import GatedRMSNormTransformersPass
 from lowering.inductor.recurrent_state import RecurrentStatePass
 
 
@@ -27,6 +29,8 @@ def default_passes() -> list[KDAInductorPass]:
         ConvUpdateTransformersPass(),  # transformers' torch_causal_conv1d_update (F.conv1d)
         ConvUpdateRollPass(),  # Mamba / causal-conv1d's roll, assign, weighted sum
         GatedRMSNormPass(),  # kda's own fp32 gated RMSNorm (examples/hybrid_model.py)
+        GatedRMSNormTransformersPass(),  # Qwen3-Next's, Kimi Linear's, GLM5-next's modules
+        GatedRMSNormFLAPass(),  # FLA's rms_norm_ref: 1 / sqrt, x * rstd * weight
     ]
 
 
