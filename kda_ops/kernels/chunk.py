@@ -27,10 +27,8 @@ with its blocks' pairs split dyadically (four levels of two dots, every factor a
 (the safe gate's only path, and TensorRT's single-launch plugin); without the safe gate
 ``launch_chunk_kda`` launches twice, ``"bounded"`` (every chunk dense, flagging those
 out of range in an int8 ``[chunks, HV]`` buffer) then ``"unbounded"`` (the flagged ones,
-dyadic), so that each launch compiles one path. sm_90 SASS (Triton 3.6), K = 128, 8 warps,
-pointers aligned as launched: the bounded launch (softplus gate) 4552 instructions a
-thread, the safe gate's 4456; one kernel holding both paths once had 992 bytes of stack
-(without pointer alignment) where the bounded launch had 72 (now 16).
+dyadic), so that each launch compiles one path: a kernel holding both paths spills
+heavily, while the bounded launch alone compiles to about the safe gate's kernel.
 
 Varlen needs no host sync: chunks are numbered per sequence on the device
 (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
@@ -111,7 +109,7 @@ def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr):
     nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
     six small dots instead of BLOCK dependent row updates. In ``DOT_PRECISION``: tf32 on
     tensor cores for bf16 / fp16 inputs (as the solve that uses the inverse), which moves
-    their output by ~5e-5, well under its rounding; fp32 inputs keep FMA ("ieee")."""
+    their output well under its rounding; fp32 inputs keep FMA ("ieee")."""
     rows = tl.arange(0, BLOCK)
     power = -a
     inverse = (rows[:, None] == rows[None, :]).to(tl.float32) + power
@@ -127,10 +125,9 @@ def block_cumsum(b_g, ROWS: tl.constexpr, BK: tl.constexpr):
     one scan over the tile followed by ROWS zero rows, whose sums are all the total.
     The same as ``tl.cumsum`` and ``tl.sum`` over the rows, whose tile spreads them over
     the warps: joined with its zeros, each row's partner sits in the same thread. The
-    safe-gate prepare kernel compiles to 4456 sm_90 instructions a thread instead of 5152
-    with those two, and the forward at H = 64 takes 0.87 × the time (H200, ``ab.py``:
-    1284.7 against 1482.6 µs). In the backward's 64-row rebuild kernel: 3976 instead of 5992
-    instructions, and a training step at H = 64 in 0.989 × the time."""
+    prepare kernels, which are instruction-bound, and the backward's 64-row rebuild kernel
+    compile to markedly fewer instructions this way than with those two
+    (``benchmarks/ab.py`` times the forward and the training step)."""
     padded = tl.reshape(tl.permute(tl.join(b_g, tl.zeros_like(b_g)), (2, 0, 1)), [2 * ROWS, BK])
     sums = tl.permute(tl.reshape(tl.cumsum(padded, axis=0), [2, ROWS, BK]), (1, 2, 0))
     local, totals = tl.split(sums)
@@ -204,8 +201,8 @@ def inverse_norm(rows):
 @triton.jit
 def unit_rows(rows, USE_L2NORM: tl.constexpr):
     """fp32 rows, l2-normalised when asked. One reciprocal square root per row and a
-    multiply per element: a division per element costs ~25 instructions (MUFU.RCP,
-    Newton steps, range checks)."""
+    multiply per element: a division per element is a reciprocal with Newton steps and
+    range checks each."""
     rows = rows.to(tl.float32)
     if USE_L2NORM:
         rows = rows * inverse_norm(rows)[:, None]
@@ -563,7 +560,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
                                            USE_GATE, HAS_DT_BIAS)
     # The launch that also keeps T (the backward's kernel 1) reloads them for each row block:
-    # held across the blocks they spill there (sm_90, Triton 3.6: 0 -> 64 bytes of stack).
+    # held across the blocks they spill there.
     reload = solve is not None
 
     decay0 = tl.zeros([BK], dtype=tl.float32)
@@ -751,10 +748,11 @@ def dot_block(n: int) -> int:
 
 
 def prepare_warps(block_k: int) -> int:
-    """Warps of a prepare program (the forward's and the backward's kernel 1). No register
-    cap: at 8 warps a 128-register cap fits two programs per SM but spills, 2688 us
-    against 2178 us uncapped (H200, T = 8192, H = 96, bf16). sm_90, Triton 3.6, 256 key
-    and value columns: 35 KB of shared memory, 255 registers and ~0.9 KB of stack."""
+    """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 64
+    key columns, 8 past them (``benchmarks/launch_sweep.py --only prepare``). No register
+    cap: at 8 warps a cap that fits two programs per SM makes the program spill, which
+    costs more than the second program gains. Past 128 columns the same launch still
+    fits: it takes every register and a little stack, and little shared memory."""
     return 4 if block_k <= 64 else 8
 
 
@@ -777,19 +775,17 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     next; with 3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u
     (dO) ``[64, BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg
     ``[64, BK]`` and Aqk ``[64, 64]`` in its own dtype, and G_C; the state operand takes
-    up to ``[BK, BV]`` more (:func:`scan_shared`). sm_90, Triton 3.6, K = 128, bf16,
-    3 stages: the recurrence 194 / 214 / 255 KB at 32 / 64 / 128 value columns (227 KB
-    fit). The segmented path's maps pass (no outputs) would fit 3 stages at 128 columns
-    too, but is slower there (H200, ``benchmarks/cp.py``, T = 131072, H = 16, the whole
-    op: 7398 / 7341 µs with 2 stages against 8058 / 8419 with 3 at 4 / 8 segments), while
-    at 64 columns 3 pay (2 segments: 7934 against 8348).
+    up to ``[BK, BV]`` more (:func:`scan_shared`). At K = 128 in bf16 the recurrence's
+    3 stages fit Hopper's shared memory up to 64 value columns, not at 128. The segmented
+    path's maps pass (no outputs) would fit 3 stages at 128 columns too, but runs slower
+    with them than with 2, while at 64 columns the third stage pays there as well
+    (``benchmarks/cp.py``); hence the 64-column limit for every scan.
 
-    Up to 128 key columns 2 stages fit every launch (fp32 tiles take less than the bound
-    there: 225 KB at 128 value columns). Past 128 a stage of the recurrence's tiles is
-    ~110 KB in bf16: 2 stages where they fit, else 1, whose loads wait at the start of
-    each step (sm_90, Triton 3.6, K = V = 256, bf16: 2 stages at 32 value columns 233 KB,
-    1 stage at 64 columns 144 KB). ``tests/kda_ops/kernels/test_sm90_compile.py`` checks
-    the launches against the limit."""
+    Up to 128 key columns 2 stages are taken unchecked: they fit every launch there, fp32
+    inputs included, whose tiles take less than the bound. Past 128 a stage of the
+    recurrence's tiles is about half of shared memory: 2 stages where they fit (narrow
+    value blocks), else 1, whose loads wait at the start of each step.
+    ``tests/kda_ops/kernels/test_sm90_compile.py`` checks the launches against the limit."""
     tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output)
     if block_v <= 64 and scan_shared(3, *tiles) <= shared_memory:
         return 3
@@ -800,10 +796,10 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
 
 def scan_widest(block_k: int, itemsize: int) -> int:
     """The most value columns a scan program takes: its fp32 state ``[BK, columns]``
-    lives in registers. 128 up to 128 key columns; past them 64 (the state alone 64
-    registers a thread at 8 warps, ``scan_warps``), and 32 with fp32 inputs, whose
-    products hold their operands in shared memory (sm_90, Triton 3.6, K = V = 256, one
-    stage: the dS scan 216 KB at 32 columns, 224 KB at 64)."""
+    lives in registers. 128 up to 128 key columns; past them 64 (at 256 key columns the
+    state alone is 64 registers a thread at 8 warps, ``scan_warps``), and 32 with fp32
+    inputs, whose products hold their operands in shared memory, which the dS scan at 64
+    columns all but fills."""
     if block_k <= 128:
         return 128
     return 64 if itemsize <= 2 else 32
@@ -811,8 +807,8 @@ def scan_widest(block_k: int, itemsize: int) -> int:
 
 def scan_warps(block_k: int) -> int:
     """Warps of a forward recurrence program: 4, and 8 past 128 key columns, where a
-    ``[256, 64]`` fp32 state takes 128 registers a thread at 4 warps (sm_90, Triton 3.6,
-    bf16, one stage: 752 bytes of stack at 4 warps, 112 at 8)."""
+    ``[256, 64]`` fp32 state alone takes 128 registers a thread at 4 warps and the program
+    spills; 8 warps halve that."""
     return 4 if block_k <= 128 else 8
 
 
@@ -823,12 +819,11 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
     fewest that still leave every program an SM of its own; where none does, 64 if a scan
     at 64 columns runs 3 stages (``three_stages_at_64``, from :func:`scan_stages`), else
     128, at most ``widest`` (:func:`scan_widest`). Each program walks all chunks serially,
-    so splitting V pays while SMs are idle, and a step at 64 columns a chunk ahead beats
-    one at 128 waiting for its loads even in two waves (H200, T = 8192, bf16, 4 warps, the
-    recurrence alone: H = 64 takes 242 µs at 64 columns, 3 stages; H = 96 516 µs at 64
-    columns, 3 stages, 571 at 128, 2 stages; 685 at 64 columns, 2 stages, hence 128
-    without the third stage). Off CUDA (the interpreter) 32, so that CI covers several
-    value blocks."""
+    so splitting V pays while SMs are idle; and a step at 64 columns with its loads a
+    chunk ahead (3 stages) beats one at 128 waiting for its loads, even when the
+    64-column programs take two waves. Without the third stage 64 columns lose to 128,
+    hence 128 then (``benchmarks/launch_sweep.py --only recurrence``). Off CUDA (the
+    interpreter) 32, so that CI covers several value blocks."""
     if sm_count is None:
         return min(block_v, 32)
     for columns in (32, 64):
@@ -867,9 +862,8 @@ def scan_launches(block_v: int, sequence_heads: int, columns: int,
     takes ``columns`` (``scan_value_columns``) on ``sm_count`` SMs: one launch, unless its
     programs need more than one wave and the heads past the first wave fit one wave at
     half the columns; then those run in a second launch at half the columns, shorter
-    steps in place of a second wave of full ones (H200, T = 8192, bf16, 3 stages, 4 warps,
-    one wave: a program at 64 columns 242 µs, at 32 about 184; H = 96, one launch at 64
-    columns in two waves: 507 µs)."""
+    steps in place of a second wave of full ones: the remaining heads' programs at half
+    the columns finish sooner than a second wave at full width would."""
     per_head = cdiv(block_v, columns)
     first_wave = sm_count // per_head
     rest = sequence_heads - first_wave
