@@ -51,8 +51,8 @@ Notation per chunk of C = 64 tokens and value head (as in ``kernels/chunk.py``):
 
 Saved versus recomputed: the training forward's recurrence writes the chunk states S (q's
 dtype; 0.27 GB in bf16 at T = 8192, 64 heads, K = V = 128) as it goes, and the forward
-keeps them: running that head-parallel scan again in the backward cost 0.37 ms of a 9.0
-ms step, writing them adds 0.09 ms to the forward's (H200, same shape, torch profiler).
+keeps them: writing them costs the forward a fraction of what running that
+head-parallel scan again would cost the backward.
 Kernel 1's outputs are made once, not per value block (kernel 2 reads them serially per
 chunk, kernel 3 needs T, and recomputing them per value block would repeat the O(C² K)
 work): by the training forward, which keeps Aqk and T (fp32; about 0.28 GB at that shape)
@@ -61,28 +61,24 @@ itself when nothing was kept (``kda::chunk``'s own autograd, when that op is cal
 directly), which then also runs the recurrence for S.
 Rebuilding G, w, qg and kd from the inputs and T costs a cumsum and a product a chunk,
 and writes G (0.27 GB there) in the backward instead of holding it from the
-forward; recomputing Aqk and T costs the whole of kernel 1 (2.2 of a 12.1 ms step at
-that shape, H200). u and v_new are recomputed in kernel 3 (one C × C and one C × K
+forward; recomputing Aqk and T would cost the whole of kernel 1, a large share of the
+step, so they are kept. u and v_new are recomputed in kernel 3 (one C × C and one C × K
 product per value block) rather than stored. Kernel 3's first pass hands v_new and dRu
 to its second through memory (input dtype, as the products that read them): one pass
-over V with the three ``[C, K]`` row gradients accumulated in registers needed ~250
-registers a thread and spilled 3 KB (ptxas, K = V = 128, 8 warps); by key blocks each is
-one dot. Kernel 4 needs row blocks of what kernel 3 builds on 64 rows: dA goes over T's buffer and
-scale·dAqk over Aqk's (neither is needed any more) unless they were kept by the forward
-without the rows (the default training path: a graph may be backpropagated again, so
-they get fresh buffers), the row-local gradients into fp32
-dq / dk / dG / dbeta buffers that kernel 4 reads back and completes.
+over V with the three ``[C, K]`` row gradients accumulated in registers does not fit the
+registers and spills; by key blocks each is one dot. Kernel 4 needs row blocks of what
+kernel 3 builds on 64 rows: dA goes over T's buffer and scale·dAqk over Aqk's (neither
+is needed any more) unless they were kept by the forward without the rows (the default
+training path: a graph may be backpropagated again, so they get fresh buffers), the
+row-local gradients into fp32 dq / dk / dG / dbeta buffers that kernel 4 reads back and
+completes.
 Kernels 3 and 4 are separate because they only communicate through memory anyway, and
-apart each needs fewer registers. Kernel 4 was one program per chunk and value head on
-all 128 columns, re-loading (and re-normalising) every other row block for each block:
-ptxas (sm_90, 8 warps) gave it 3.2 KB of stack a thread and ~33k instructions a warp,
-and it took 12.4 of the backward's 22.5 ms (H200, T = 8192, 64 heads). Split over
-columns, the four row blocks unrolled in one program, it took 4.66 ms of a 13.7 ms
-training step (same shape; WY 3.14, kernel 1 2.83 ms) at 255 registers a thread and
-spills (sm_90, 4 warps, two programs an SM). One program a row block (the gate's
-backward, whose reverse cumsum runs across the blocks, apart) on 64 key columns: 245
-registers, no spills, two programs an SM (sm_90, Triton 3.9, 4 warps, safe gate; the
-dyadic launch 255 and 408 bytes of stack).
+apart each needs fewer registers. Kernel 4 takes one program a 16-row block and 64 key
+columns: a program over a whole chunk either re-loads (and re-normalises) every other
+row block for each of its blocks or, its four row blocks unrolled, holds them all and
+spills; a program of one row block holds one other block at a time and fits its
+registers, two programs an SM (the dense launch without spills). The gate's backward,
+whose reverse cumsum runs across the blocks, is apart (kernel 5).
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -281,8 +277,8 @@ def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up):
     enters dG twice, at its row (through k e^{ref - G}) and negated at its column (through
     q or k e^{G - ref}), and only cancels in dg, the reverse cumsum, when both ends are
     rounded alike. The diagonal block holds the largest terms (Aqk's r == c term, which
-    cancels exactly, and the least decayed pairs): with bf16 operands (emulated on CPU,
-    T = 130) dg was off by 4% and dA_log / d dt_bias, sums over tokens, by 15% / 23%."""
+    cancels exactly, and the least decayed pairs): with bf16 operands dg is off by
+    percents, and dA_log / d dt_bias, sums over tokens, by far more."""
     down = tl.exp(ref[None, :] - r_cum)
     k_up = r_k * up
     k_down = r_k * down
@@ -422,8 +418,8 @@ def chunk_bwd_state_kernel(
         b_do = tl.load(grad_o + token_offsets * V + offs_v[None, :], mask=mask_rows_v,
                        other=0.0).to(dot_dtype)  # fmt: skip
         # Aqkᵀ loaded as such (tile element (j, i) from Aqk's row i), not transposed after
-        # the load: the 14th session's dS scan with a bf16 Aqk and ``tl.trans`` read shared
-        # memory out of range (compute-sanitizer, Triton 3.6).
+        # the load: with a bf16 Aqk, ``tl.trans`` of the loaded tile read shared memory out
+        # of range (compute-sanitizer, Triton 3.6).
         b_aqk_t = tl.load(aqk + (chunk_id * CHUNK + rows)[None, :] * CHUNK + rows[:, None],
                           mask=causal_t, other=0.0)  # fmt: skip
         last = tl.minimum(seq_len - c * CHUNK, CHUNK) - 1
@@ -471,8 +467,7 @@ def chunk_bwd_wy_kernel(
     the buffers of T (``solve``, read once, first) and of Aqk, which it does not read) and,
     when given, both again in the dot dtype into ``d_a_low`` / ``d_aqk_low`` (the pairs
     kernel's off-diagonal tiles; dA's fp32 buffer then gets only its diagonal 16 × 16
-    tiles. Masking scale·dAqk's store as well, before pass 2, costs spills: sm_90, Triton
-    3.6, 4 warps, 72 → 120 bytes of stack)."""
+    tiles. Masking scale·dAqk's store as well, before pass 2, would add spills)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -626,8 +621,8 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
     # The three row gradients are loaded together, before any store (the compiler keeps a
     # load after a store it cannot prove apart, so one after another each waited its own
     # round trip at the program's end), and before the diagonal block, so that the loads
-    # overlap its dots (sm_90, Triton 3.6, 4 warps: the dense launches 253 registers, no
-    # stack; the dyadic launch's stack 432 -> 536 bytes).
+    # overlap its dots; the dense launches still fit their registers, the dyadic one
+    # spills a little more for it.
     old_q, old_k, old_cum = _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask)
     d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, i_b)
     if DENSE:
@@ -935,28 +930,25 @@ RECOMPUTE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", 
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
 GATE_FLAGS = ("SCALAR_GATE", "USE_GATE", "HAS_DT_BIAS", "USE_LOWER_BOUND", "USE_BETA_SIGMOID",
               "IS_VARLEN")  # fmt: skip
-# chunk_bwd_recompute_kernel's key columns a program and warps. H200, T = 8192, H = 64,
-# bf16, µs a launch (``benchmarks/launch_sweep.py``; Triton 3.6, sm_90 registers a
-# thread): 64 columns at 2 warps 561 (255 registers, 16 bytes of stack), at 4 warps 608
-# (147), at 8 777; 32 columns at 2 / 4 / 8 warps 664 / 697 (103 registers) / 822; 128 at
-# 4 warps 787.
+# chunk_bwd_recompute_kernel's key columns a program and warps: 64 at 2 warps, faster than
+# more warps or 32 or 128 columns although 2 warps take every register and a little stack
+# (``benchmarks/launch_sweep.py --only rebuild``).
 REBUILD_COLUMNS, REBUILD_WARPS = 64, 2
 
 
-# Key columns a program of the pairs kernel on CUDA: 64 (sm_90, Triton 3.9, 4 warps: 245
-# registers, no spills, two programs an SM; at 32 columns 155 and three, but each program
-# reloads the pair tiles and the row norms for half the work: H200, T = 8192, H = 64, a
-# training step 9.88 -> 9.51 ms). The gate kernel's columns and warps: H200, same shape,
-# Triton 3.6, µs a launch (``launch_sweep.py``): 32 columns at 1 / 2 / 4 warps 203 / 215 /
-# 258; 16 at 1 warp 220; 64 at 2 / 4 249 / 236; 128 at 4 302.
+# Key columns a program of the pairs kernel on CUDA: 64, two programs an SM without
+# spills; 32 columns fit three, but each program reloads the pair tiles and the row norms
+# for half the work, and the step is slower (``launch_sweep.py --only pairs``). The gate
+# kernel: 32 columns at 1 warp, the fastest of 16 to 128 columns at 1 to 4 warps
+# (``launch_sweep.py --only gate``).
 PAIRS_COLUMNS, PAIRS_STAGES = 64, 1
 GATE_COLUMNS, GATE_WARPS = 32, 1
 # The WY kernel's value and key steps (its loops over V and over K) and pipeline stages
-# (bf16 / fp16 inputs). ptxas, K = V = 128: the key loop spills 68 / 36 bytes at 32 / 16
-# columns, but takes twice the trips at 16.
+# (bf16 / fp16 inputs): at 16 key columns a step the key loop spills less than at 32 but
+# takes twice the trips (``launch_sweep.py --only wy`` sweeps the sizes).
 WY_VALUE_STEP, WY_KEY_STEP, WY_STAGES = 32, 32, 2
-# Warps of the dS scan. ptxas, K = 128, 8 warps: 0 / 0.4 / 1.4 KB of spills at 32 / 64 /
-# 128 columns (0.8 / 2.7 / 3.6 KB at 4 warps).
+# Warps of the dS scan: 8, which at K = 128 do not spill at 32 value columns and spill
+# less than 4 warps at 64 and 128.
 STATE_WARPS = 8
 
 
@@ -973,14 +965,12 @@ def wy_launch(block_k: int, block_v: int, itemsize: int) -> WyLaunch:
     """The WY kernel's launch for ``block_k`` / ``block_v`` columns and inputs of
     ``itemsize`` bytes. Shared memory (227 KB a block on Hopper) holds the loops'
     pipelined tiles: fp32 tiles are twice as large, so fp32 inputs (the accuracy path) are
-    not pipelined, and K > 128 halves the value step (ptxas: every bf16 config within
-    140 KB). Past 128 value columns pass 2's three ``[64, BV]`` operands stay in shared
-    memory across its key loop, in fp32 192 KB: the key step there is 16 (sm_90, Triton
-    3.6, K = V = 256: 256 KB at 32, 224 KB at 16), and 8 warps hold them in registers
-    without spilling (bf16: 0.6 KB of stack at 4 warps, 72 bytes at 8).
-    4 warps otherwise: fwd + bwd 12963 us against 13965 at 8 (H200, B = 1, T = 8192,
-    H = 64, bf16; the pairs kernel at 8 warps took 18275, the WY kernel at BK_STEP 16
-    14646)."""
+    not pipelined, and K > 128 halves the value step, which keeps every bf16 launch well
+    inside it. Past 128 value columns pass 2's three ``[64, BV]`` operands stay in shared
+    memory across its key loop, in fp32 192 KB: the key step there is 16, since at 32 the
+    fp32 launch does not fit, and 8 warps hold them in registers where 4 spill.
+    4 warps otherwise: a training step is faster than with 8, or with a key step of 16
+    (``benchmarks/ab.py``)."""
     wide_v = block_v > 128
     value_step = WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2
     key_step = WY_KEY_STEP // 2 if wide_v and itemsize > 2 else WY_KEY_STEP
