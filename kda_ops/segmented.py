@@ -12,7 +12,7 @@ Differentiable (the op's autograd plus plain PyTorch).
 :func:`plan_segments` picks ``S`` from the shapes: on CUDA, enough segments to give every
 SM a (segment, head) recurrence, segments of at least :data:`MIN_SEGMENT_LENGTH` tokens;
 elsewhere 1 (the CPU reference gains nothing). The thresholds follow the kernel's
-parallelism, not a measurement: ``benchmarks/cp.py`` is the measurement to run on an H200.
+parallelism, not a measurement: ``benchmarks/cp.py`` measures them on a GPU.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 and MUFU.EX2) instead of ``tl.exp``'s five (a range check and two rescaling multiplies
 around MUFU.EX2 keep its subnormal results). Results below 2^-126 flush to zero, which is
 what decay products that small contribute to the sums they enter. The chunk prepare
-kernel is instruction-bound (sm_90 AOT: ~280 exponentials of ~9.6 K instructions per
-thread), so this is worth three instructions per exponential there. ``fast_log``,
-``fast_reciprocal`` and ``fast_sigmoid`` likewise.
+kernel is instruction-bound and exponentials are a sizeable share of its instructions, so
+three instructions saved per exponential count there. ``fast_log``, ``fast_reciprocal``
+and ``fast_sigmoid`` likewise.
 
 Triton's interpreter has no libdevice: interpreted kernels keep ``tl.exp`` / ``tl.log``."""
 
@@ -39,8 +39,9 @@ def fast_reciprocal(x):
 @triton.jit
 def fast_log(x):
     """ln x of an fp32 tensor from MUFU.LG2 (``lg2.approx.ftz``, absolute error ~2^-22 in
-    [0.5, 2]) and a multiply; libdevice's ``logf`` spends ~20 instructions on full range
-    and accuracy, ~10 % of the chunk prepare kernel with the softplus gate (sm_90 AOT)."""
+    [0.5, 2]) and a multiply; libdevice's ``logf`` spends many more instructions on full
+    range and accuracy, a noticeable share of the chunk prepare kernel with the softplus
+    gate."""
     if INTERPRETED:
         result = tl.log(x)
     else:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
-# Elements per program and warps, measured on an H200 (benchmarks/ops.py).
+# Elements per program and warps, picked by timing the kernels (benchmarks/ops.py).
 ROW_BLOCK_ELEMENTS = 2048
 NUM_WARPS = 4
 

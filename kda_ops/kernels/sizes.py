@@ -2,10 +2,9 @@
 they size against.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions, callable from
-kernels too, and each host call pays for unwrapping its arguments as constexprs (~2 µs
-on the CI machine, against ~0.05 µs for the integer arithmetic); a prefill of the
-hybrid model made ~90 such calls from our launchers. These are the same arithmetic for
-host ints.
+kernels too, and each host call pays for unwrapping its arguments as constexprs, many
+times the integer arithmetic itself; a prefill of the hybrid model makes dozens of such
+calls from our launchers. These are the same arithmetic for host ints.
 """
 
 import functools
