@@ -181,8 +181,8 @@ for _op in (chunk_op, recurrent_op):
 
 # The chunk kernels' tiles hold whole head dims; past this the CUDA ops run the reference.
 CHUNK_KERNEL_MAX_HEAD_DIM = 256
-# Past this many key columns the bf16 chunk kernels return wrong states on the H200 once a
-# sequence spans several chunks (and fault on some shapes); their fp32 build is exact there.
+# Past this many key columns the bf16 chunk recurrence returns wrong states once a sequence
+# spans several chunks (and faults on some shapes); its fp32 build is exact there.
 BF16_CHUNK_KERNEL_MAX_KEY_DIM = 128
 
 
@@ -529,7 +529,7 @@ def _trains(
 def _exporting() -> bool:
     """``torch.compiler.is_exporting()``, read from the flag that torch.export sets: the
     function itself is folded to True under any torch.compile by Dynamo before
-    pytorch/pytorch#176499 (torch 2.11 on the H200 machine), which sent every compiled
+    pytorch/pytorch#176499 (torch 2.11 among them), which sent every compiled
     training call to ``kda::chunk``."""
     return torch.compiler._is_exporting_flag
 
