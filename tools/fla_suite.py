@@ -26,12 +26,15 @@ function the passed / failed / skipped counts and, for each failure, the excepti
 and the first line of its message; a table of the same goes to stdout. ``--isolate`` runs
 every test function's cases in a subprocess of their own, and re-runs them one per
 subprocess from the first CUDA fault (or crash) on, so a fault that poisons a process
-cannot hide the other results.
+cannot hide the other results. ``--jobs N`` runs the selected cases in N subprocesses
+at once (each function's cases dealt round-robin over them, so every process compiles a
+share of the slow chunk cases) and merges their results; on a GPU machine the cases are
+bound by kernel compilation on the CPU, so N up to the core count pays.
 
 Usage, from the repository root, with fla-core and einops on ``PYTHONPATH``::
 
     python tools/fla_suite.py --tests .scratch/fla_suite --backend kda \
-        --json fla_kda.json [--isolate] [-- PYTEST_ARGS...]
+        --json fla_kda.json [--isolate | --jobs N] [-- PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -580,17 +583,8 @@ def run_isolated(args: argparse.Namespace, extra: Sequence[str]) -> int:
         json_path = args.json or scratch / "results.json"
         store = ResultStore(json_path, header(args), append=False)
         store.flush()
-        listing = scratch / "nodes.txt"
-        code, _ = run_child(
-            child_command(
-                args, json_path, ["--list-nodes", str(listing)], ["--collect-only", "-q", *extra]
-            ),
-            args.batch_timeout,
-        )
-        if not listing.is_file():
-            raise SystemExit(f"fla_suite: collection failed (exit code {code})")
         batches: dict[str, list[str]] = {}
-        for nodeid in filter(None, listing.read_text().splitlines()):
+        for nodeid in collect_nodes(args, json_path, scratch, extra):
             name = nodeid if args.batch == "node" else function_key(nodeid)
             batches.setdefault(name, []).append(nodeid)
         total = len(batches)
@@ -599,6 +593,81 @@ def run_isolated(args: argparse.Namespace, extra: Sequence[str]) -> int:
         store.reload()
         print_table(store.doc)
         return 1 if any(n["outcome"] == "failed" for n in store.nodes.values()) else 0
+
+
+def collect_nodes(
+    args: argparse.Namespace, json_path: Path, scratch: Path, extra: Sequence[str]
+) -> list[str]:
+    """The selected node ids, from a collecting subprocess that records the collection
+    (counts per function, exclusions) into ``json_path``."""
+    listing = scratch / "nodes.txt"
+    code, _ = run_child(
+        child_command(
+            args, json_path, ["--list-nodes", str(listing)],
+            ["--collect-only", "-q", *extra],
+        ),
+        args.batch_timeout,
+    )  # fmt: skip
+    if not listing.is_file():
+        raise SystemExit(f"fla_suite: collection failed (exit code {code})")
+    return [n for n in listing.read_text().splitlines() if n]
+
+
+def run_parallel(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """``--jobs``: the selected cases dealt over that many subprocesses, run at once, each
+    writing its own results; merged into one document (a case no process reported is
+    recorded as its process's timeout or crash)."""
+    with tempfile.TemporaryDirectory(prefix="fla_suite_") as scratch_dir:
+        scratch = Path(scratch_dir)
+        results = args.json or scratch / "results.json"
+        store = ResultStore(results, header(args), append=False)
+        store.flush()
+        nodes = collect_nodes(args, results, scratch, extra)
+        store.reload()
+        by_function: dict[str, list[str]] = {}
+        for nodeid in nodes:
+            by_function.setdefault(function_key(nodeid), []).append(nodeid)
+        shards: list[list[str]] = [[] for _ in range(min(args.jobs, len(nodes)) or 1)]
+        dealt = 0
+        for cases in by_function.values():
+            for nodeid in cases:
+                shards[dealt % len(shards)].append(nodeid)
+                dealt += 1
+        processes = []
+        for index, shard in enumerate(shards):
+            selection = scratch / f"shard{index}.txt"
+            selection.write_text("".join(f"{n}\n" for n in shard))
+            json_path = scratch / f"shard{index}.json"
+            command = child_command(args, json_path, ["--only-nodes", str(selection)], extra)
+            log = (scratch / f"shard{index}.log").open("w")
+            processes.append(
+                (shard, json_path, log, subprocess.Popen(command, stdout=log, stderr=log,
+                                                         start_new_session=True))
+            )  # fmt: skip
+        print(f"fla_suite: {len(nodes)} case(s) in {len(shards)} processes", flush=True)
+        deadline = None if args.batch_timeout is None else time.monotonic() + args.batch_timeout
+        for shard, json_path, log, process in processes:
+            timed_out = False
+            try:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                process.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                kill_group(process.pid)
+                process.wait()
+                timed_out = True
+            log.close()
+            if json_path.exists():
+                part = json.loads(json_path.read_text())
+                for key in ("environment", "rebinding", "calls", "excluded"):
+                    store.doc[key].update(part.get(key, {}))
+                store.nodes.update(part["nodes"])
+            for nodeid in shard:
+                if nodeid not in store.nodes:
+                    note_missing(store, nodeid, process.returncode, timed_out, args.batch_timeout)
+        store.flush()
+        print_table(store.doc)
+        return 1 if any(n["outcome"] != "passed" and n["outcome"] != "skipped"
+                        for n in store.nodes.values()) else 0  # fmt: skip
 
 
 def run_batch(
@@ -748,6 +817,12 @@ def parse_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
         help="one subprocess per test function; per case after a CUDA fault",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run the cases in this many subprocesses at once (results merged)",
+    )
+    parser.add_argument(
         "--batch",
         choices=("function", "node"),
         default="function",
@@ -757,7 +832,7 @@ def parse_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
         "--batch-timeout",
         type=float,
         default=None,
-        help="with --isolate: seconds before a subprocess is killed",
+        help="with --isolate: seconds before a subprocess is killed; with --jobs: for all",
     )
     parser.add_argument(
         "--device",
@@ -778,8 +853,12 @@ def parse_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parse_arguments(sys.argv[1:] if argv is None else argv)
     prepare_environment()
+    if args.isolate and args.jobs > 1:
+        raise SystemExit("fla_suite: --isolate and --jobs do not combine")
     if args.isolate and not args.append:
         return run_isolated(args, extra)
+    if args.jobs > 1 and not args.append:
+        return run_parallel(args, extra)
     return run_in_process(args, extra)
 
 
