@@ -160,7 +160,7 @@ class Results:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"benchmark": self.name, "environment": self.environment, "rows": self.rows}
         partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(data, indent=1) + "\n")
+        partial.write_text(json.dumps(data, indent=1, default=str) + "\n")
         partial.replace(self.path)
 
 
