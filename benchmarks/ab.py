@@ -15,7 +15,8 @@ of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
 
 Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk_backward.WY_WARPS=8
 [--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]
-[--forward]``. Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small
+[--forward] [--shared-machine | --no-shared-machine] [--out benchmarks/results/ab.json]``.
+Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small
 shapes: ``--length 128 --heads 2 --dim 16``), which checks the plumbing, not the kernels.
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 from harness import relative_error, time_ms
+from results import Results, add_arguments, row
 
 ROOT = Path(__file__).resolve().parents[1]
 GRADIENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--grads", help=argparse.SUPPRESS)
+    add_arguments(parser, "ab")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -158,6 +161,11 @@ def main() -> None:
                       flush=True)  # fmt: skip
         first = torch.load(scratch / "grads_0.pt")
         compared = "outputs" if args.forward else "gradients"
+        results = Results.from_args("ab", args)
+        step = "forward" if args.forward else "forward + backward"
+        case = f"chunk_kda {step} B=1 T={args.length} H={args.heads} D={args.dim}" + (
+            ", softplus gate" if args.softplus else "") + (
+            ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
         print(f"\n| tree | µs a step, by round | vs first | {compared} vs first (rel.) |")
         print("| --- | --- | ---: | --- |")
         base = statistics.median(times[0])
@@ -168,6 +176,10 @@ def main() -> None:
             ratio = statistics.median(times[index]) / base
             grads = " ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))
             print(f"| {spec} | {spread} | {ratio:.3f} | {grads} |")
+            results.add(row(case, f"kda-ops {spec}", "step_time", [ms * 1e3 for ms in times[index]],
+                            "us", tree=spec, vs_first=ratio,
+                            errors_vs_first=dict(zip(names, errors))))  # fmt: skip
+        print(f"\nwrote {results.path}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ FLA's and of the planned segments against one serial scan.
 Targets: our long / our split batch <= 1.05, segments faster than one scan on the long
 sequence, outputs within 5e-3 of FLA's.
 
-Usage (GPU, fla-core 0.6.0): ``python benchmarks/cp.py [--quick] [--json out.json]``.
+Usage (GPU, fla-core 0.6.0): ``python benchmarks/cp.py [--quick] [--shared-machine |
+--no-shared-machine] [--out benchmarks/results/cp.json]``.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import argparse
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 from harness import Row, relative_error, report, time_ms
+from results import Results, add_arguments, row
 
 import kda_ops
 from kda_ops.kernels.chunk import launch_chunk_kda, recurrence_segments
@@ -46,7 +48,8 @@ def inputs(batch: int, length: int, heads: int, dim: int) -> dict:
     )  # fmt: skip
 
 
-def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]) -> list[Row]:
+def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int],
+        results: Results) -> list[Row]:  # fmt: skip
     long = inputs(1, length, heads, dim)
     batched = {
         name: t.reshape(split, length // split, *t.shape[2:]) if t.dim() > 1 else t
@@ -71,7 +74,7 @@ def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]
         if segments == planned:
             planned_ms = ms
     rows += recurrence_rows(long, length, dim, fla_long, ours_split)
-    print_errors(long, dim)
+    print_errors(long, dim, f"chunk_kda {shape_long} H={heads} D={dim}", results)
     print(f"\nFLA long / FLA split: {fla_long / fla_split:.3f}")
     print(f"ours plain long / ours split: {ours_long / ours_split:.3f}")
     print(f"ours segmented (S={planned}) long / ours split: {planned_ms / ours_split:.3f} "
@@ -95,7 +98,7 @@ def first_heads(x: dict, heads: int, dim: int) -> dict:
             for name, t in x.items()}  # fmt: skip
 
 
-def print_errors(long: dict, dim: int) -> None:
+def print_errors(long: dict, dim: int, case: str, results: Results) -> None:
     """Output errors on the long sequence: ours (planned segments) against FLA's and
     against our own single serial scan; ours and FLA's against the float64 reference on
     two heads (the two bf16 outputs round independently, so their distance from each
@@ -112,6 +115,13 @@ def print_errors(long: dict, dim: int) -> None:
     ours_error = relative_error(ours[:, :, :2], reference)
     peer_error = relative_error(peer[:, :, :2], reference)
     print(f"long output against float64 (2 heads): ours {ours_error:.2e}, FLA {peer_error:.2e}")
+    results.add([
+        row(case, "kda-ops", "o_error_vs_float64", [ours_error], "relative", heads=2),
+        row(case, "fla", "o_error_vs_float64", [peer_error], "relative", heads=2),
+        row(case, "kda-ops", "o_error_vs_fla", [relative_error(ours, peer)], "relative"),
+        row(case, "kda-ops", "o_error_vs_one_scan", [relative_error(ours, one_scan)],
+            "relative"),
+    ])  # fmt: skip
 
 
 def recurrence_rows(long: dict, length: int, dim: int, fla_long: float,
@@ -136,15 +146,17 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--split", type=int, default=8, help="batch of the split comparison")
-    parser.add_argument("--json", help="write the rows here")
+    add_arguments(parser, "cp")
     args = parser.parse_args()
+    results = Results.from_args("cp", args)
     length = 16384 if args.quick else 131072
     counts = [2, 4] if args.quick else [4, 8, 16]
     report(
         "In-device context parallelism: one long sequence vs a batch (ratio = ours / FLA)",
-        {"cp": lambda: run(length, args.split, args.heads, args.dim, counts)},
-        args.json,
+        {"cp": lambda: run(length, args.split, args.heads, args.dim, counts, results)},
+        results,
     )
+    print(f"\nwrote {results.path}")
 
 
 if __name__ == "__main__":

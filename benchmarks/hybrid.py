@@ -6,11 +6,14 @@ Prefill: B = 1, T = 8192, tokens/s, into caches allocated before the timed calls
 second row allocates and zero-fills each inside the timed call; a third replays (b) as CUDA
 graphs, ``mode="reduce-overhead"``, from one static empty cache). Decode:
 B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhead"``, CUDA
-graphs), tokens/s. Prints a table with the ratios and writes nothing. Needs a CUDA GPU
-and ``fla-core`` (run with ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
+graphs), tokens/s. Prints a table with the ratios (medians over the timed calls) and
+writes the rows, with every call's tokens/s, to ``--out`` (default
+``benchmarks/results/hybrid.json``). Needs a CUDA GPU and ``fla-core`` (run with
+``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
 
     python benchmarks/hybrid.py            # Kimi-Linear dims, 4 layers (3 KDA + 1 attention)
     python benchmarks/hybrid.py --quick    # small sizes, a smoke run
+    python benchmarks/hybrid.py --no-shared-machine   # say nothing else ran on the machine
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples/ folder
+
+from results import Results, add_arguments, row  # benchmarks/, the script's folder
 
 from examples.hybrid_model import (
     Cache,
@@ -80,8 +85,8 @@ def fla_kernels() -> KDAKernels:
 WARM_UP_RUNS = 2  # CUDA graph trees record a graph on a function's second call
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, after ``WARM_UP_RUNS``."""
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn()``, after ``WARM_UP_RUNS``."""
     for _ in range(WARM_UP_RUNS):
         fn()
     times = []
@@ -93,7 +98,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
 
 
 def prefill_tokens_per_s(
@@ -101,12 +106,12 @@ def prefill_tokens_per_s(
     prefill: Callable,
     s: Sizes,
     cache: Literal["pool", "allocate", "static"] = "pool",
-) -> float:
-    """Tokens/s of a prefill into an empty cache. ``cache``: "pool", a fresh cache each call,
-    all allocated before the timed calls (as a server's state pool is and as decode's cache
-    is here); "allocate", allocated (and zero-filled) in the timed call; "static", one cache
-    marked as a static address for every call, which CUDA graphs read in place (prefill is
-    functional: it reads the empty cache and returns a new one)."""
+) -> list[float]:
+    """Tokens/s of each timed prefill into an empty cache. ``cache``: "pool", a fresh cache
+    each call, all allocated before the timed calls (as a server's state pool is and as
+    decode's cache is here); "allocate", allocated (and zero-filled) in the timed call;
+    "static", one cache marked as a static address for every call, which CUDA graphs read
+    in place (prefill is functional: it reads the empty cache and returns a new one)."""
     ids = torch.randint(0, s.config.vocab_size, (1, s.prefill_length), device="cuda")
     if cache == "allocate":
 
@@ -129,7 +134,7 @@ def prefill_tokens_per_s(
         def run() -> None:
             prefill(ids, caches.pop())
 
-    return s.prefill_length / timed(run, s.repeats)
+    return [s.prefill_length / seconds for seconds in timed(run, s.repeats)]
 
 
 def prefill_logits_error(eager: HybridLM, compiled: Callable, ours: HybridLM, s: Sizes) -> float:
@@ -141,8 +146,9 @@ def prefill_logits_error(eager: HybridLM, compiled: Callable, ours: HybridLM, s:
     return ((got - want).norm() / want.norm()).item()
 
 
-def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> float:
-    """Tokens/s of ``decode_steps`` in-place steps, each run restarting at the prompt end."""
+def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> list[float]:
+    """Tokens/s, a timed run each, of ``decode_steps`` in-place steps, each run restarting
+    at the prompt end."""
     ids = torch.randint(0, s.config.vocab_size, (s.decode_batch, 1), device="cuda")
     lengths = [state.length for state in cache if hasattr(state, "length")]
 
@@ -152,7 +158,7 @@ def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> float:
         for _ in range(s.decode_steps):
             decode_(ids, cache)
 
-    return s.decode_batch * s.decode_steps / timed(run, s.repeats)
+    return [s.decode_batch * s.decode_steps / seconds for seconds in timed(run, s.repeats)]
 
 
 def prompt_cache(model: HybridLM, s: Sizes) -> Cache:
@@ -170,10 +176,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--layers", type=int, default=4, help="layers (every 4th attention)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    add_arguments(parser, "hybrid")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/hybrid.py needs a CUDA GPU")
     s = sizes(args.quick, args.layers, args.vocab)
+    results = Results.from_args("hybrid", args)
+    results.environment["settings"] = dataclasses.asdict(s) | {"quick": args.quick}
     torch.manual_seed(0)
     with torch.device("cuda"):
         ours = HybridLM(s.config).to(torch.bfloat16).eval().requires_grad_(False)
@@ -187,8 +196,15 @@ def main() -> None:
     print("| phase | (a) eager + FLA tok/s | (b) compile kda tok/s | (b)/(a) | target |")
     print("| --- | --- | --- | --- | --- |", flush=True)
 
-    def row(phase: str, eager: float, compiled: float, target: float) -> None:
+    def report(phase: str, eager_rates: list[float], compiled_rates: list[float],
+               target: float) -> None:  # fmt: skip
         # Printed as soon as measured: a run cut short still reports what it finished.
+        results.add([
+            row(phase, "fla", "throughput", eager_rates, "tokens/s", path="(a) eager + FLA"),
+            row(phase, "kda-ops", "throughput", compiled_rates, "tokens/s",
+                path="(b) torch.compile(backend='kda')", target_ratio=target),
+        ])  # fmt: skip
+        eager, compiled = statistics.median(eager_rates), statistics.median(compiled_rates)
         print(f"| {phase} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f} | "
               f">= {target} |", flush=True)  # fmt: skip
 
@@ -196,17 +212,18 @@ def main() -> None:
         compiled_prefill = torch.compile(ours.prefill, backend="kda", fullgraph=True)
         eager = prefill_tokens_per_s(fla, fla.prefill, s)
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
-        row(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
+        report(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
         eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="allocate")
         compiled = prefill_tokens_per_s(ours, compiled_prefill, s, cache="allocate")
-        row(f"prefill B=1 T={s.prefill_length}, cache allocated in the call", eager, compiled, 1.3)
+        report(f"prefill B=1 T={s.prefill_length}, cache allocated in the call", eager, compiled,
+               1.3)  # fmt: skip
         logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
         graphed_prefill = torch.compile(
             ours.prefill, backend="kda", mode="reduce-overhead", fullgraph=True
         )
         eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="static")
         compiled = prefill_tokens_per_s(ours, graphed_prefill, s, cache="static")
-        row(f"prefill B=1 T={s.prefill_length}, (b) in CUDA graphs", eager, compiled, 1.3)
+        report(f"prefill B=1 T={s.prefill_length}, (b) in CUDA graphs", eager, compiled, 1.3)
 
         cache_eager = prompt_cache(fla, s)
         cache_compiled = clone(cache_eager)
@@ -216,8 +233,11 @@ def main() -> None:
         )
         eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
         compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
-        row(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
+        report(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
     print(f"\nprefill logits, (b) against (a): relative error {logits_error:.2e}")
+    results.add(row(f"prefill B=1 T={s.prefill_length}", "kda-ops", "logits_error_vs_fla_eager",
+                    [logits_error], "relative"))  # fmt: skip
+    print(f"wrote {results.path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ in the same process: where the time of ``ops.py``'s rows goes, kernel by kernel
 steps).
 
 Usage (GPU): ``python benchmarks/kernels.py [--heads 64] [--length 8192] [--softplus]
-[--disable-recompute] [--forward] [--steps 5]``.
+[--disable-recompute] [--forward] [--steps 5] [--shared-machine | --no-shared-machine]
+[--out benchmarks/results/kernels.json]``.
 """
 
 import argparse
@@ -13,7 +14,8 @@ from collections import Counter
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from ops import IN_KERNEL, LOWER_BOUND, kda_inputs
+from ops import LOWER_BOUND, chunk_options, kda_inputs
+from results import Results, add_arguments, row
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -56,15 +58,22 @@ def main() -> None:
     parser.add_argument("--disable-recompute", action="store_true")
     parser.add_argument("--forward", action="store_true", help="the forward alone")
     parser.add_argument("--steps", type=int, default=5)
+    add_arguments(parser, "kernels")
     args = parser.parse_args()
+    results = Results.from_args("kernels", args)
     x = kda_inputs(1, args.length, args.heads)
-    options = dict(IN_KERNEL, lower_bound=None if args.softplus else LOWER_BOUND,
+    options = dict(chunk_options(None if args.softplus else LOWER_BOUND),
                    disable_recompute=args.disable_recompute)  # fmt: skip
+    step_name = "forward" if args.forward else "forward + backward"
+    case = f"chunk_kda {step_name} B=1 T={args.length} H={args.heads} D=128 bf16" + (
+        ", softplus gate" if args.softplus else "") + (
+        ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
           f"H={args.heads} D=128 bf16, {options}")  # fmt: skip
-    for name, chunk_kda in (("ours", kda_ops.chunk_kda), ("FLA", fla_chunk_kda)):
+    libraries = (("ours", "kda-ops", kda_ops.chunk_kda), ("FLA", "fla", fla_chunk_kda))
+    for name, library, chunk_kda in libraries:
 
         def step(chunk_kda=chunk_kda):
             if args.forward:
@@ -73,7 +82,13 @@ def main() -> None:
             o, _ = chunk_kda(**x, **options)
             return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
 
-        print_table(name, kernel_times_us(step, args.steps))
+        times = kernel_times_us(step, args.steps)
+        print_table(name, times)
+        results.add([row(case, library, "step_time", [sum(times.values())], "us",
+                         steps=args.steps)] + [
+            row(case, library, "kernel_time", [us], "us", kernel=kernel, steps=args.steps)
+            for kernel, us in times.most_common()])  # fmt: skip
+    print(f"\nwrote {results.path}")
 
 
 if __name__ == "__main__":

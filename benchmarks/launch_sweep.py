@@ -7,7 +7,8 @@ these pick launch constants in ``kda_ops/kernels/chunk_backward.py`` and ``chunk
 ``ab.py`` then times the whole step.
 
 Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [--only
-prepare wy rebuild gate pairs state recurrence]``.
+prepare wy rebuild gate pairs state recurrence] [--shared-machine | --no-shared-machine]
+[--out benchmarks/results/launch_sweep.json]``.
 """
 
 import argparse
@@ -16,6 +17,7 @@ from functools import partial
 
 import torch
 from ops import LOWER_BOUND, kda_inputs
+from results import Results, add_arguments, row
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
@@ -207,16 +209,26 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(SWEEPS), help="a subset, in order")
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--length", type=int, default=8192)
+    add_arguments(parser, "launch_sweep")
     args = parser.parse_args()
+    results = Results.from_args("launch_sweep", args)
     x = Inputs(args.length, args.heads)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
           f"H={args.heads} D={DIM} bf16\n\n| launch | µs |\n| --- | ---: |")  # fmt: skip
     for name in args.only or SWEEPS:
         for case, launch in SWEEPS[name](x):
+            extra = dict(sweep=name, T=args.length, H=args.heads, D=DIM)
             try:
-                print(f"| {case} | {launch_us(launch):.1f} |", flush=True)
+                us = launch_us(launch)
             except OutOfResources as error:  # e.g. 3 stages' buffers past shared memory
                 print(f"| {case} | does not fit: {error} |", flush=True)
+                results.add({"case": case, "library": "kda-ops", "metric": "launch_time",
+                             "error": f"does not fit: {error}", **extra})  # fmt: skip
+                continue
+            print(f"| {case} | {us:.1f} |", flush=True)
+            results.add(row(case, "kda-ops", "launch_time", [us], "us",
+                            timer="do_bench mean", **extra))  # fmt: skip
+    print(f"\nwrote {results.path}")
 
 
 if __name__ == "__main__":

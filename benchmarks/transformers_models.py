@@ -3,7 +3,8 @@
 prefill and decode, printed as a table with ratios. Needs a CUDA GPU, ``fla-core`` and
 ``transformers==5.24.0``.
 
-    python benchmarks/transformers_models.py [--quick] [--model kimi_linear|qwen3_next]
+    python benchmarks/transformers_models.py [--quick] [--model kimi_linear|qwen3_next] \
+        [--shared-machine | --no-shared-machine] [--out benchmarks/results/transformers_models.json]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+from results import Results, add_arguments, row
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's Triton path
 
@@ -133,16 +135,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["kimi_linear", "qwen3_next", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="small dims and lengths")
+    add_arguments(parser, "transformers_models")
     args = parser.parse_args()
     args.prefill_len = 1024 if args.quick else 8192
     args.decode_batch, args.decode_prompt = (8, 128) if args.quick else (64, 512)
     args.decode_steps = 8 if args.quick else 32
     _check_environment()
+    import transformers
+
+    results = Results.from_args("transformers_models", args)
+    results.environment["versions"]["transformers"] = transformers.__version__
     names = ["kimi_linear", "qwen3_next"] if args.model == "all" else [args.model]
     print(f"{'case':<44} {'FLA eager tok/s':>16} {'kda_ops compiled tok/s':>23} {'ratio':>7}")
     for name in names:  # each model's rows as soon as they are measured
         for case, fla, ours in measure(name, args):
             print(f"{case:<44} {fla:>16.0f} {ours:>23.0f} {ours / fla:>6.2f}x", flush=True)
+            results.add([
+                row(case, "fla", "throughput", [fla], "tokens/s", path="transformers + FLA eager"),
+                row(case, "kda-ops", "throughput", [ours], "tokens/s",
+                    path="transformers + kda_ops.integrations, torch.compile"),
+            ])  # fmt: skip
+    print(f"wrote {results.path}")
 
 
 if __name__ == "__main__":
