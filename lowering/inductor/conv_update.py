@@ -18,8 +18,6 @@ clones the (small) state.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,6 +26,7 @@ from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, regist
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from lowering.inductor.base import PatternPass
+from lowering.inductor.conv_patterns import drop_write_back_copies
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INPLACE = torch.ops.kda.causal_conv1d_update_.default
@@ -61,19 +60,5 @@ class ConvUpdatePass(PatternPass):
     def apply(self, graph: torch.fx.Graph) -> int:
         count = super().apply(graph)
         if count:
-            _drop_write_back_copies(graph)
+            drop_write_back_copies(graph)
         return count
-
-
-def _drop_write_back_copies(graph: torch.fx.Graph) -> None:
-    """``aten.copy(state, new_state)`` where new_state is the updated state out of our
-    ``auto_functionalized`` node: the values are new_state's, so use it directly."""
-    for fused in graph.find_nodes(op="call_function", target=auto_functionalized):
-        if fused.args[0] is not INPLACE:
-            continue
-        state = fused.kwargs["conv_state"]
-        for item in [u for u in fused.users if u.target is operator.getitem and u.args[1] == 1]:
-            for user in list(item.users):
-                if user.target is torch.ops.aten.copy.default and user.args == (state, item):
-                    user.replace_all_uses_with(item)
-                    graph.erase_node(user)

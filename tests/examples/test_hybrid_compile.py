@@ -3,7 +3,6 @@ every expected site, compiled equals eager, one graph with no breaks, dynamic T 
 recompiles, in-place state updates with no state copy, and the FX graph cache across
 processes."""
 
-import ast
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from tests.examples.cases import (
     tiny_model,
     token_ids,
 )
+from tests.lowering.compiled import op_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 KDA_LAYERS = CONFIG.kda_layer_count
@@ -47,16 +47,6 @@ def _expected_counts(recurrent: int, conv: int, norm: int) -> dict[str, int]:
 
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
-
-
-def _state_arguments(code: str, op: str, position: int) -> list[str]:
-    """The source text of argument ``position`` of every call to ``op`` in Inductor's code."""
-    found = []
-    for line in code.splitlines():
-        if f"{op}(" in line and "=" in line:
-            call = ast.parse(line.split("=", 1)[1].strip()).body[0].value
-            found.append(ast.unparse(call.args[position]))
-    return found
 
 
 def test_prefill_fuses_gated_norms_and_matches_eager():
@@ -105,8 +95,8 @@ def test_inplace_decode_updates_states_in_place_with_no_copy():
     convs = KDA_LAYERS * CONVS_PER_KDA_LAYER
     assert PASS_MANAGER.counts == _expected_counts(KDA_LAYERS, convs, KDA_LAYERS)
     # Re-inplaced: every fused op writes a graph input (argN_1) directly, not a copy.
-    conv_states = _state_arguments(code, "kda.causal_conv1d_update_.default", 1)
-    recurrent_states = _state_arguments(code, "kda.recurrent_.default", 7)
+    conv_states = op_arguments(code, "kda.causal_conv1d_update_.default", 1)
+    recurrent_states = op_arguments(code, "kda.recurrent_.default", 7)
     assert len(conv_states) == convs and len(recurrent_states) == KDA_LAYERS
     assert all(arg.startswith("arg") for arg in conv_states + recurrent_states)
 
