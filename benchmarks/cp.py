@@ -26,7 +26,8 @@ from fla.ops.kda import chunk_kda as fla_chunk_kda
 from harness import Row, relative_error, report, time_ms
 
 import kda_ops
-from kda_ops.kernels.chunk import launch_chunk_kda, recurrence_segments
+from kda_ops.kernels.chunk.launch import launch_chunk_kda
+from kda_ops.kernels.chunk.segments import recurrence_segments
 from kda_ops.segmented import plan_segments
 
 DEVICE = "cuda"
