@@ -37,7 +37,7 @@ from kda_ops.kernels.chunk.device import CHUNK
 from kda_ops.kernels.chunk.planning import scan_stages, uses_safe_gate
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
-from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
+from kda_ops.kernels.conv.forward import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
 from kda_ops.kernels.recurrent import recurrent_kda_kernel

@@ -6,11 +6,9 @@ import torch
 from kda_ops import reference
 from kda_ops.conv import causal_conv1d_backward_reference
 from kda_ops.gated_norm import gated_rms_norm_backward_reference
-from kda_ops.kernels.conv import (
-    _step_sequences_per_program,
-    launch_causal_conv1d,
-    launch_causal_conv1d_backward,
-)
+from kda_ops.kernels.conv.backward import launch_causal_conv1d_backward
+from kda_ops.kernels.conv.forward import launch_causal_conv1d
+from kda_ops.kernels.conv.step import step_sequences_per_program
 from kda_ops.kernels.gate import launch_kda_gate
 from kda_ops.kernels.gated_norm import launch_gated_rms_norm, launch_gated_rms_norm_backward
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
@@ -189,7 +187,7 @@ def test_conv_step_width4_vector_path(dtype, with_state, channels, batch):
 )
 def test_conv_step_sequences_per_program(programs, expected):
     """Sequences share a program only while two programs are left for each of 132 SMs."""
-    assert _step_sequences_per_program(programs, sms=132) == expected
+    assert step_sequences_per_program(programs, sms=132) == expected
 
 
 def test_conv_step_width4_pool_in_place_mixed_dtypes():

@@ -32,7 +32,8 @@ from kda_ops.kernels.chunk.planning import (
     scan_stages,
     scan_warps,
 )
-from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
+from kda_ops.kernels.conv.backward import BACKWARD_ROWS
+from kda_ops.kernels.conv.forward import PREFILL_ROWS
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, cdiv
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -92,7 +93,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     **SCANS,  # launch options])
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
-            "conv", "causal_conv1d_kernel",
+            "conv.forward", "causal_conv1d_kernel",
             # The final state in this kernel unless packed or a pool rewritten in place.
             dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v,
                  FINAL_STATE=not (i or v)),
@@ -101,13 +102,14 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     },
     **{
         f"conv_grad_z_kernel/state={s}/varlen={v}": (
-            "conv", "conv_grad_z_kernel", dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v)
+            "conv.backward", "conv_grad_z_kernel",
+            dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v),
         )
         for s, v in itertools.product((False, True), repeat=2)
     },
     **{
         f"conv_step_w4_kernel/sequences={n}/indices={i}": (
-            "conv", "conv_step_w4_kernel",
+            "conv.step", "conv_step_w4_kernel",
             dict(D=12288, BG=128, NB=n, HAS_BIAS=True, HAS_STATE=True, USE_INDICES=i,
                  SILU=True),
         )
