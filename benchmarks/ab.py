@@ -11,9 +11,9 @@ machine's copy of the working tree has no ``.git``, so take other trees there as
 directories, e.g. made by ``git archive REF kda_ops | tar -x -C DIR``) or a git ref of this
 repository (its ``kda_ops`` taken with ``git archive``), optionally with module constants
 of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
-``main:chunk_backward.WY_WARPS=8``.
+``main:chunk.backward.state.STATE_WARPS=4``.
 
-Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk_backward.WY_WARPS=8
+Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk.backward.state.STATE_WARPS=4
 [--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]
 [--forward] [--shared-machine | --no-shared-machine] [--out benchmarks/results/ab.json]``.
 Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small

@@ -28,7 +28,8 @@ from harness import Row, relative_error, report, time_ms
 from results import Results, add_arguments, row
 
 import kda_ops
-from kda_ops.kernels.chunk import launch_chunk_kda, recurrence_segments
+from kda_ops.kernels.chunk.launch import launch_chunk_kda
+from kda_ops.kernels.chunk.segments import recurrence_segments
 from kda_ops.segmented import plan_segments
 
 DEVICE = "cuda"

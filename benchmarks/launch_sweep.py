@@ -3,7 +3,7 @@ columns a program, warps, pipeline stages): the backward's kernels and the forwa
 recurrence, each launched alone on random inputs shaped as a training step's (B = 1,
 T = 8192, D = 128, bf16, safe gate -5, l2norm and beta sigmoid in the kernel), µs a launch
 as the mean of ``triton.testing.do_bench`` (50 ms warm-up, 300 ms of runs). Ours only:
-these pick launch constants in ``kda_ops/kernels/chunk_backward.py`` and ``chunk.py``;
+these pick launch constants in ``kda_ops/kernels/chunk/backward/`` and ``chunk/``;
 ``ab.py`` then times the whole step.
 
 Usage (GPU): ``python benchmarks/launch_sweep.py [--heads 64] [--length 8192] [--only
@@ -21,8 +21,15 @@ from results import Results, add_arguments, row
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
-from kda_ops.kernels import chunk_backward as bwd
-from kda_ops.kernels.chunk import CHUNK, chunk_recurrence_kernel, prepare_flags
+from kda_ops.kernels.chunk.backward.gate import GATE_FLAGS, chunk_bwd_gate_kernel
+from kda_ops.kernels.chunk.backward.pairs import PAIRS_FLAGS, chunk_bwd_pairs_kernel
+from kda_ops.kernels.chunk.backward.prepare import chunk_bwd_prepare_kernel
+from kda_ops.kernels.chunk.backward.recompute import RECOMPUTE_FLAGS, chunk_bwd_recompute_kernel
+from kda_ops.kernels.chunk.backward.state import chunk_bwd_state_kernel
+from kda_ops.kernels.chunk.backward.wy import chunk_bwd_wy_kernel
+from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk.planning import prepare_flags
+from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
 
 DIM = 128
 
@@ -69,10 +76,10 @@ def sweep_rebuild(x: Inputs):
     for columns, warps in itertools.product((32, 64, 128), (2, 4, 8)):
         grid = (x.chunks, x.heads, DIM // columns)
         yield f"rebuild, {columns} columns, {warps} warps", partial(
-            bwd.chunk_bwd_recompute_kernel[grid],
+            chunk_bwd_recompute_kernel[grid],
             x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, None, None, solve, q_norm, k_norm,
             DIM**-0.5, LOWER_BOUND, x.length, 1, cum_g, w, qg, kd, H=x.heads, HV=x.heads,
-            K=DIM, BK=columns, BN=1, **x.flags_of(bwd.RECOMPUTE_FLAGS), num_warps=warps,
+            K=DIM, BK=columns, BN=1, **x.flags_of(RECOMPUTE_FLAGS), num_warps=warps,
         )  # fmt: skip
 
 
@@ -87,10 +94,10 @@ def sweep_gate(x: Inputs):
         ddt_part = torch.zeros(x.chunks, x.heads, DIM, device="cuda")
         grid = (x.chunks * shares, x.heads)
         yield f"gate, {columns} columns, {warps} warps", partial(
-            bwd.chunk_bwd_gate_kernel[grid],
+            chunk_bwd_gate_kernel[grid],
             x.g, x.A_log, x.dt_bias, x.beta, None, None, d_cum, dbeta_rows, dbeta_part,
             LOWER_BOUND, x.length, 1, dg, dA_log_part, ddt_part, dbeta, HV=x.heads, K=DIM,
-            BK=columns, BN=1, CHUNK=CHUNK, N_SHARES=2, **x.flags_of(bwd.GATE_FLAGS),
+            BK=columns, BN=1, CHUNK=CHUNK, N_SHARES=2, **x.flags_of(GATE_FLAGS),
             num_warps=warps,
         )  # fmt: skip
 
@@ -105,10 +112,10 @@ def sweep_pairs(x: Inputs):
         dbeta_part = torch.empty(1, x.length, x.heads, DIM // columns, device="cuda")
         grid = (x.chunks * 4 * (DIM // columns), x.heads)
         yield f"pairs, {columns} columns, {warps} warps, {stages} stages", partial(
-            bwd.chunk_bwd_pairs_kernel[grid],
+            chunk_bwd_pairs_kernel[grid],
             x.q, x.k, x.beta, None, None, cum_g, q_norm, k_norm, d_aqk, d_a, d_aqk_low,
             d_a_low, None, x.length, 1, *rows, dbeta_part, H=x.heads, HV=x.heads, K=DIM,
-            BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **x.flags_of(bwd.PAIRS_FLAGS),
+            BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **x.flags_of(PAIRS_FLAGS),
             CHUNKS="all", num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
@@ -122,7 +129,7 @@ def sweep_state(x: Inputs):
     for columns, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3)):
         grid = (DIM // columns, x.heads)
         yield f"dS scan, {columns} value columns, {warps} warps, {stages} stages", partial(
-            bwd.chunk_bwd_state_kernel[grid],
+            chunk_bwd_state_kernel[grid],
             w, qg, kd, aqk, cum_g, grad_o, grad_final, None, None, x.length, dv_new,
             dstates, None, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=columns, CHUNK=CHUNK,
             HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
@@ -160,7 +167,7 @@ def sweep_prepare(x: Inputs):
     q_norm, k_norm = (torch.empty(1, x.length, x.heads, device="cuda") for _ in range(2))
     for warps in (4, 8, 16):
         yield f"kernel 1, {warps} warps", partial(
-            bwd.chunk_bwd_prepare_kernel[(x.chunks, x.heads)],
+            chunk_bwd_prepare_kernel[(x.chunks, x.heads)],
             x.q, x.k, v, x.g, x.beta, x.A_log, x.dt_bias, None, None, DIM**-0.5, LOWER_BOUND,
             x.length, 1, None, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, None,
             None, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM, BN=1, **x.flags,
@@ -189,7 +196,7 @@ def sweep_wy(x: Inputs):
     for value_step, key_step, warps, stages in sizes:
         case = f"WY, value step {value_step}, key step {key_step}, {warps} warps, {stages} stages"
         yield case, partial(
-            bwd.chunk_bwd_wy_kernel[(x.chunks, x.heads)],
+            chunk_bwd_wy_kernel[(x.chunks, x.heads)],
             x.q, x.k, v, x.beta, None, None, cum_g, q_norm, k_norm, w, states, dstates, grad_o,
             dv_new, DIM**-0.5, x.length, 1, solve, d_aqk, d_a, d_aqk_low, d_a_low, v_new_rows,
             d_ru_rows, *rows, dv, dbeta, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM,

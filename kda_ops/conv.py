@@ -124,7 +124,8 @@ def _(x, conv_state, weight, bias, state_indices, activation):
 
 
 if kernels.AVAILABLE:
-    from kda_ops.kernels.conv import launch_causal_conv1d, launch_causal_conv1d_backward
+    from kda_ops.kernels.conv.backward import launch_causal_conv1d_backward
+    from kda_ops.kernels.conv.forward import launch_causal_conv1d
 
     def _uses_reference(*tensors: Optional[Tensor]) -> bool:
         """The kernels compute in fp32; fp64 is the oracle's."""

@@ -9,7 +9,7 @@ Ops (schemas are inferred from the annotations below):
 - ``kda::recurrent_``: in-place serving flavour; reads and writes a state pool at
   ``state_indices`` (for CUDA-graph decode).
 - ``kda::delta_rule_backward``: the gradients of both functional ops (on CUDA, the Triton
-  chunk backward of ``kernels/chunk_backward.py``; float64 differentiates the reference).
+  chunk backward of ``kernels/chunk/backward/``; float64 differentiates the reference).
 - ``kda::chunk_train``: ``kda::chunk`` for training (plus ``keep_rows``), ``(o,
   final_state, saved)``: on CUDA ``saved`` is what the backward's first kernel would
   compute (``SavedForBackward``; w, u, qg, kd only with ``keep_rows``), made by the
@@ -247,7 +247,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_
 
 def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool) -> list[Tensor]:
     """Empty tensors shaped as ``kda::chunk_train``'s saved outputs on the Triton path
-    (``kernels.chunk_backward.SavedForBackward``; its rows w, u, qg, kd only with
+    (``kernels.chunk.backward.saved.SavedForBackward``; its rows w, u, qg, kd only with
     ``keep_rows``)."""
     saved = list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens)))
     return saved if keep_rows else saved[: -len(ROWS)]
@@ -409,13 +409,12 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, s
 
 
 if kernels.AVAILABLE:
-    from kda_ops.kernels.chunk import launch_chunk_kda
-    from kda_ops.kernels.chunk_backward import (
-        ROWS,
-        empty_saved,
+    from kda_ops.kernels.chunk.backward.launch import (
         launch_chunk_kda_backward,
         launch_chunk_kda_training,
     )
+    from kda_ops.kernels.chunk.backward.saved import ROWS, empty_saved
+    from kda_ops.kernels.chunk.launch import launch_chunk_kda
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
     @chunk_op.register_kernel("cuda")

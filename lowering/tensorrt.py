@@ -13,7 +13,7 @@ Plugins (namespace ``kda``, the op types of ``lowering.onnx``'s plugin mode):
 
 - ``recurrent``: one kernel, ``recurrent_kda_kernel`` (any T; T = 1 for decode).
 - ``chunk_prepare`` then ``chunk_recurrence``: the two-kernel chunk pipeline of
-  ``kernels/chunk.py`` as a chain of two single-kernel plugins; the prepare plugin's
+  ``kernels/chunk/`` as a chain of two single-kernel plugins; the prepare plugin's
   outputs (chunk decay, w, u, qg, kd, Aqk) are the recurrence plugin's inputs.
 - ``causal_conv1d``: a chain of two single-kernel plugins, ``causal_conv1d_output`` (y)
   then ``causal_conv1d_state`` (final state).
@@ -33,14 +33,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_ops.kernels.chunk import (
-    CHUNK,
-    chunk_prepare_kernel,
-    chunk_recurrence_kernel,
-    scan_stages,
-    uses_safe_gate,
-)
-from kda_ops.kernels.conv import causal_conv1d_kernel, conv_final_state_kernel
+from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk.planning import scan_stages, uses_safe_gate
+from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
+from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
+from kda_ops.kernels.conv.forward import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
 from kda_ops.kernels.recurrent import recurrent_kda_kernel

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.chunk import L2NORM_EPS
+from kda_ops.kernels.chunk.device import L2NORM_EPS
 from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 

@@ -167,7 +167,7 @@ def test_chunk_against_float64_reference(lower_bound):
 def test_chunk_recurrence_in_segments_against_float64_reference(segments):
     """In-device context parallelism at bf16, D = 128: the recurrence in segments (maps
     through bf16 dots, composed in fp32) is as close to float64 as one serial scan."""
-    from kda_ops.kernels.chunk import launch_chunk_kda
+    from kda_ops.kernels.chunk.launch import launch_chunk_kda
 
     x, kwargs = chunk_inputs(4096, 2, -5.0)
     state = torch.randn(1, 2, 128, 128, device="cuda")

@@ -19,25 +19,21 @@ import sys
 import pytest
 import torch
 
-from kda_ops.kernels.chunk import (
+from kda_ops.kernels.chunk.backward.gate import GATE_COLUMNS, GATE_WARPS
+from kda_ops.kernels.chunk.backward.layout import key_columns
+from kda_ops.kernels.chunk.backward.pairs import PAIRS_COLUMNS, PAIRS_STAGES
+from kda_ops.kernels.chunk.backward.recompute import REBUILD_WARPS, rebuild_blocks
+from kda_ops.kernels.chunk.backward.state import STATE_WARPS
+from kda_ops.kernels.chunk.backward.wy import wy_launch
+from kda_ops.kernels.chunk.planning import (
     dot_block,
     prepare_warps,
     scan_config,
     scan_stages,
     scan_warps,
 )
-from kda_ops.kernels.chunk_backward import (
-    GATE_COLUMNS,
-    GATE_WARPS,
-    PAIRS_COLUMNS,
-    PAIRS_STAGES,
-    REBUILD_WARPS,
-    STATE_WARPS,
-    key_columns,
-    rebuild_blocks,
-    wy_launch,
-)
-from kda_ops.kernels.conv import BACKWARD_ROWS, PREFILL_ROWS
+from kda_ops.kernels.conv.backward import BACKWARD_ROWS
+from kda_ops.kernels.conv.forward import PREFILL_ROWS
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, cdiv
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -61,7 +57,7 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
                       STAGES=stages)  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
-    return "chunk", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
+    return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
 
 
 def ds_scan(value_columns: int) -> tuple:
@@ -81,7 +77,7 @@ def ds_scan(value_columns: int) -> tuple:
     )
     types = {name: "*bf16" for name in ("w", "qg", "kd", "aqk", "grad_o", "dstates")}
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
-    return ("chunk_backward", "chunk_bwd_state_kernel", constexprs, types,
+    return ("chunk.backward.state", "chunk_bwd_state_kernel", constexprs, types,
             {"num_warps": 8, "num_stages": stages})  # fmt: skip
 
 
@@ -97,7 +93,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     **SCANS,  # launch options])
     **{
         f"causal_conv1d_kernel/state={s}/indices={i}/varlen={v}": (
-            "conv", "causal_conv1d_kernel",
+            "conv.forward", "causal_conv1d_kernel",
             # The final state in this kernel unless packed or a pool rewritten in place.
             dict(CONV, BT=PREFILL_ROWS, HAS_STATE=s, USE_INDICES=i, IS_VARLEN=v,
                  FINAL_STATE=not (i or v)),
@@ -106,13 +102,14 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     },
     **{
         f"conv_grad_z_kernel/state={s}/varlen={v}": (
-            "conv", "conv_grad_z_kernel", dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v)
+            "conv.backward", "conv_grad_z_kernel",
+            dict(CONV, BT=BACKWARD_ROWS, HAS_STATE=s, IS_VARLEN=v),
         )
         for s, v in itertools.product((False, True), repeat=2)
     },
     **{
         f"conv_step_w4_kernel/sequences={n}/indices={i}": (
-            "conv", "conv_step_w4_kernel",
+            "conv.step", "conv_step_w4_kernel",
             dict(D=12288, BG=128, NB=n, HAS_BIAS=True, HAS_STATE=True, USE_INDICES=i,
                  SILU=True),
         )
@@ -124,13 +121,13 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
         for b in (False, True)
     },
     **{  # the backward's prepare: the forward's program with its extra outputs
-        f"chunk_bwd_prepare_kernel/{chunks}": ("chunk_backward", "chunk_bwd_prepare_kernel",
+        f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
                                                dict(PREPARE, SAFE_GATE=safe,
                                                     USE_LOWER_BOUND=safe, CHUNKS=chunks))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
     # the WY kernel, with the l2norm factors the prepare stored
-    "chunk_bwd_wy_kernel": ("chunk_backward", "chunk_bwd_wy_kernel",
+    "chunk_bwd_wy_kernel": ("chunk.backward.wy", "chunk_bwd_wy_kernel",
                             dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32,
                                  BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
                                  USE_BETA_SIGMOID=True, IS_VARLEN=False,
@@ -138,7 +135,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     # the pairs kernel, one program a row block, in each of its launches
     **{
         f"chunk_bwd_pairs_kernel/{chunks}": (
-            "chunk_backward", "chunk_bwd_pairs_kernel",
+            "chunk.backward.pairs", "chunk_bwd_pairs_kernel",
             dict(H=32, HV=32, K=128, BK=64, BN=1, CHUNK=64, BLOCK=16, SAFE_GATE=chunks == "all",
                  USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
                  DOT_PRECISION="tf32", CHUNKS=chunks),
@@ -148,7 +145,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     # the gate's backward after it (which also completes dβ): KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_gate_kernel/scalar_gate={scalar}": (
-            "chunk_backward", "chunk_bwd_gate_kernel",
+            "chunk.backward.gate", "chunk_bwd_gate_kernel",
             dict(HV=32, K=128, BK=32, BN=1, CHUNK=64, N_SHARES=2, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
                  USE_BETA_SIGMOID=True, IS_VARLEN=False),
@@ -158,7 +155,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     # G, w, qg, kd rebuilt from the inputs and kept T: KDA's gate, GDN's scalar one
     **{
         f"chunk_bwd_recompute_kernel/scalar_gate={scalar}": (
-            "chunk_backward", "chunk_bwd_recompute_kernel",
+            "chunk.backward.recompute", "chunk_bwd_recompute_kernel",
             dict(H=32, HV=32, K=128, BK=32, BN=1, SCALAR_GATE=scalar,
                  USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=not scalar,
                  USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
@@ -213,7 +210,8 @@ def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
                       STORE_OUTPUT=not maps, STAGES=stages)  # fmt: skip
     types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
     types.update(initial_state="*fp32", final_state="*fp32")
-    return "chunk", "chunk_recurrence_kernel", constexprs, types, {"num_warps": scan_warps(block_k)}
+    return ("chunk.recurrence", "chunk_recurrence_kernel", constexprs, types,
+            {"num_warps": scan_warps(block_k)})  # fmt: skip
 
 
 def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> tuple:
@@ -226,7 +224,7 @@ def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> 
                       DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
     types = _typed(dtype, "w", "qg", "kd", "aqk", "grad_o", "dstates")
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
-    return ("chunk_backward", "chunk_bwd_state_kernel", constexprs, types,
+    return ("chunk.backward.state", "chunk_bwd_state_kernel", constexprs, types,
             {"num_warps": STATE_WARPS, "num_stages": stages})  # fmt: skip
 
 
@@ -242,7 +240,7 @@ def wy(head_k: int, head_v: int, dtype: str) -> tuple:
                    "v_new_rows", "d_ru_rows", "dv")  # fmt: skip
     low = "*fp32" if dtype == "fp32" else f"*{dtype}"  # fp32 inputs: no low-precision tiles
     types.update(d_aqk_low=low, d_a_low=low)
-    return ("chunk_backward", "chunk_bwd_wy_kernel", constexprs, types,
+    return ("chunk.backward.wy", "chunk_bwd_wy_kernel", constexprs, types,
             {"num_warps": launch.warps, "num_stages": launch.stages})  # fmt: skip
 
 
@@ -253,8 +251,8 @@ def prepare(head_k: int, head_v: int, backward: bool, safe: bool) -> tuple:
     constexprs = dict(PREPARE, K=head_k, V=head_v, BK=block_k, BV=dot_block(head_v),
                       SAFE_GATE=safe, USE_LOWER_BOUND=safe,
                       CHUNKS="all" if safe else "bounded")  # fmt: skip
-    module, kernel = (("chunk_backward", "chunk_bwd_prepare_kernel") if backward
-                      else ("chunk", "chunk_prepare_kernel"))  # fmt: skip
+    module, kernel = (("chunk.backward.prepare", "chunk_bwd_prepare_kernel") if backward
+                      else ("chunk.prepare", "chunk_prepare_kernel"))  # fmt: skip
     return module, kernel, constexprs, {}, {"num_warps": prepare_warps(block_k)}
 
 
@@ -267,21 +265,21 @@ def key_split_kernels(head_k: int) -> dict[str, tuple]:
     gate = dict(SCALAR_GATE=False, USE_GATE=True, HAS_DT_BIAS=True, USE_LOWER_BOUND=True,
                 USE_BETA_SIGMOID=True, IS_VARLEN=False)  # fmt: skip
     return {
-        "chunk_bwd_pairs_kernel": ("chunk_backward", "chunk_bwd_pairs_kernel",
+        "chunk_bwd_pairs_kernel": ("chunk.backward.pairs", "chunk_bwd_pairs_kernel",
                                    dict(H=32, HV=32, K=head_k, BK=pair_k, BN=1, CHUNK=64,
                                         BLOCK=16, SAFE_GATE=True, USE_L2NORM=True,
                                         USE_BETA_SIGMOID=True, IS_VARLEN=False,
                                         DOT_PRECISION="tf32", CHUNKS="all"),
                                    {}, {"num_warps": 4, "num_stages": PAIRS_STAGES}),
-        "chunk_bwd_gate_kernel": ("chunk_backward", "chunk_bwd_gate_kernel",
+        "chunk_bwd_gate_kernel": ("chunk.backward.gate", "chunk_bwd_gate_kernel",
                                   dict(gate, HV=32, K=head_k, BK=gate_k, BN=1, CHUNK=64,
                                        N_SHARES=cdiv(head_k, pair_k)),
                                   {}, {"num_warps": GATE_WARPS}),
-        "chunk_bwd_recompute_kernel": ("chunk_backward", "chunk_bwd_recompute_kernel",
+        "chunk_bwd_recompute_kernel": ("chunk.backward.recompute", "chunk_bwd_recompute_kernel",
                                        dict(gate, H=32, HV=32, K=head_k, BK=rebuild_k, BN=1,
                                             USE_L2NORM=True, DOT_PRECISION="tf32"),
                                        {}, {"num_warps": REBUILD_WARPS}),
-        "chunk_bwd_qk_kernel": ("chunk_backward", "chunk_bwd_qk_kernel",
+        "chunk_bwd_qk_kernel": ("chunk.backward.qk", "chunk_bwd_qk_kernel",
                                 dict(H=32, HV=32, K=head_k, BK=block_k, BT=32, USE_L2NORM=True),
                                 {"d_unit": "*fp32", "n_tokens": "i32"}, {"num_warps": 4}),
     }  # fmt: skip

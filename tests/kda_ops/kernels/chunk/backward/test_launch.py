@@ -6,12 +6,12 @@ import torch
 
 from kda_ops import reference
 from kda_ops.delta_rule import saved_like
-from kda_ops.kernels.chunk import launch_chunk_kda
-from kda_ops.kernels.chunk_backward import (
-    ROWS,
+from kda_ops.kernels.chunk.backward.launch import (
     launch_chunk_kda_backward,
     launch_chunk_kda_training,
 )
+from kda_ops.kernels.chunk.backward.saved import ROWS
+from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, relative_error
 

@@ -1,11 +1,11 @@
-"""The two-kernel chunked forward against the token recurrence of the reference."""
+"""The chunked forward (``launch_chunk_kda``: the prepare kernel, then the recurrence)
+against the token recurrence of the reference."""
 
 import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.kernels import chunk
-from kda_ops.kernels.chunk import launch_chunk_kda, scan_launches
+from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
 
@@ -137,64 +137,3 @@ def test_chunk_states(variant, cu_seqlens, shape):
     no_output, state_only = launch_chunk_kda(*args, chunk_states=states_only, output=False)
     assert no_output is None and torch.equal(state_only, state)
     assert torch.equal(states_only[:used], chunk_states[:used])
-
-
-@pytest.mark.parametrize("segments", [2, 4])
-@pytest.mark.parametrize("initial_state", [True, False])
-def test_segmented_recurrence(segments, initial_state):
-    """The recurrence run in segments (each segment's map, composed, then rerun from its
-    exact incoming state) gives the outputs, final and chunk states of one scan."""
-    x = delta_rule_inputs(raw_gate=True, dtype=torch.float32, batch=2, length=256, heads=1,
-                          value_heads=2, head_k=16, head_v=24)  # fmt: skip
-    tensors = [t.to(DEVICE) for t in x.tensors()]
-    if not initial_state:
-        tensors[-1] = None
-    args = (*tensors, None, 0.3, -5.0, True, True)
-    rows = reference.chunk_state_rows(2, 256, None)
-    states_plain = torch.empty(rows, 2, 16, 24, device=DEVICE)
-    states_segmented = torch.empty_like(states_plain)
-    o_plain, final_plain = launch_chunk_kda(*args, chunk_states=states_plain, segments=1)
-    o, final = launch_chunk_kda(*args, chunk_states=states_segmented, segments=segments)
-    torch.testing.assert_close(o, o_plain)
-    torch.testing.assert_close(final, final_plain)
-    torch.testing.assert_close(states_segmented, states_plain)
-
-
-@pytest.mark.parametrize(
-    "block_v, heads, columns, sm_count, launches",
-    [
-        (128, 96, 64, 132, [(0, 66, 64), (66, 30, 32)]),  # the rest fits one wave at 32
-        (128, 64, 64, 132, [(0, 64, 64)]),  # one wave
-        (128, 128, 64, 132, [(0, 128, 64)]),  # 62 heads past the wave: 248 programs at 32
-        (256, 128, 64, 132, [(0, 128, 64)]),  # the maps pass: V + K columns
-        (128, 200, 128, 132, [(0, 200, 128)]),  # 68 past the wave: 136 programs at 64
-        (32, 5, 16, 4, [(0, 5, 16)]),  # no dot narrower than 16
-    ],
-)
-def test_scan_launches(block_v, heads, columns, sm_count, launches):
-    assert scan_launches(block_v, heads, columns, sm_count) == launches
-
-
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 300]])
-def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
-    """Sequence-heads split over two launches at different value columns (as
-    ``scan_launches`` splits them past one wave) give one launch's outputs and states."""
-    batch = 1 if cu_seqlens else 2
-    x = delta_rule_inputs(raw_gate=True, dtype=torch.float32, batch=batch, length=300, heads=1,
-                          value_heads=3, head_k=16, head_v=32)  # fmt: skip
-    n_seqs = batch if cu_seqlens is None else len(cu_seqlens) - 1
-    tensors = [t.to(DEVICE) for t in x.tensors()]
-    tensors[-1] = tensors[-1][:1].expand(n_seqs, -1, -1, -1).contiguous()
-    seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=DEVICE).int()
-    args = (*tensors, seqlens, 0.3, -5.0, True, True)
-    rows = reference.chunk_state_rows(batch, 300, None if cu_seqlens is None else n_seqs)
-    states_one = torch.empty(rows, 3, 16, 32, device=DEVICE)
-    states_two = torch.empty_like(states_one)
-    o_one, final_one = launch_chunk_kda(*args, chunk_states=states_one, segments=1)
-    split = [(0, 2, 32), (2, 3 * n_seqs - 2, 16)]
-    monkeypatch.setattr(chunk, "scan_launches", lambda *_: split)
-    o_two, final_two = launch_chunk_kda(*args, chunk_states=states_two, segments=1)
-    torch.testing.assert_close(o_two, o_one)
-    torch.testing.assert_close(final_two, final_one)
-    used = reference.chunk_state_rows(batch, 300, None) if cu_seqlens is None else 6
-    torch.testing.assert_close(states_two[:used], states_one[:used])

@@ -1,0 +1,231 @@
+"""Kernel 3 of the backward, ``chunk_bwd_wy_kernel`` (token-parallel, on all 64 rows of a
+chunk, grid: chunks × value heads), and its launch: everything that goes through S, dS'
+and T, in two passes. By value blocks: recomputes ``u = T β V`` and ``v_new = u - w S``,
+computes ``dRu = Tᵀ dv_new`` (so ``dv = β dRu``) and accumulates ``dAqk = dO v_newᵀ`` and
+dRu's terms of dA and dbeta. Then by key blocks, contracting over all of V at once:
+``dqg = dO Sᵀ``, ``dkd = v_new dS'ᵀ``, ``dRw = Tᵀ dw = -dRu Sᵀ``, the decay term of Γ_C
+and dRw's terms of ``dA = -(dRu uᵀ + dRw wᵀ)`` and dbeta; writes dv and the row-local
+parts of dq, dk, dG, dbeta, which the pairs kernel (``pairs.py``) completes.
+
+u and v_new are recomputed here (one C × C and one C × K product per value block) rather
+than stored. The first pass hands v_new and dRu to the second through memory (input
+dtype, as the products that read them): one pass over V with the three ``[C, K]`` row
+gradients accumulated in registers does not fit the registers and spills; by key blocks
+each is one dot.
+"""
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from kda_ops.kernels.chunk.backward.layout import Layout
+from kda_ops.kernels.chunk.backward.rows import (
+    load_beta_rows,
+    load_cum_rows,
+    load_unit_rows,
+    stored_norms,
+)
+from kda_ops.kernels.chunk.device import BLOCK, CHUNK, locate_chunk
+from kda_ops.kernels.sizes import next_power_of_2
+
+
+@triton.jit
+def chunk_bwd_wy_kernel(
+    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
+    grad_o, dv_new, scale, length, n_seqs,
+    solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low, v_new_rows, d_ru_rows, dq_rows,
+    dk_rows, d_cum_rows, dv, dbeta,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
+    BN: tl.constexpr, CHUNK: tl.constexpr,
+    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """For chunk i_c and value head i_hv, on all 64 rows: everything that goes through S,
+    dS' and T, in two passes so that no ``[C, K]`` accumulator lives across a loop:
+
+    1. by value blocks of BV_STEP: u = T β V, v_new = u - w S, dRu = Tᵀ dv_new (both
+       stored for pass 2 in ``v_new_rows`` / ``d_ru_rows``, q's dtype ``[B, T, HV, V]``),
+       dv = β dRu, dAqk = dO v_newᵀ, and dRu's terms of dA and dbeta;
+    2. by key blocks of BK_STEP, contracting over all of V (BV, padded) at once:
+       dqg = dO Sᵀ, dkd = v_new dS'ᵀ, dRw = -dRu Sᵀ, the decay term of Γ_C, dRw's terms of
+       dA and dbeta, and the row gradients of these key columns.
+
+    Writes dv (v's dtype, final), the row-local parts of dq, dk (of the l2-normalised
+    rows, per value head), dG (all three fp32 ``[B, T, HV, K]``) and dbeta (fp32
+    ``[B, T, HV]``), dA into ``d_a_tiles`` and scale·dAqk into ``d_aqk_tiles`` (both
+    ``[C, C]`` fp32 a chunk, zero above the diagonal, strictly lower for dA; they may be
+    the buffers of T (``solve``, read once, first) and of Aqk, which it does not read) and,
+    when given, both again in the dot dtype into ``d_a_low`` / ``d_aqk_low`` (the pairs
+    kernel's off-diagonal tiles; dA's fp32 buffer then gets only its diagonal 16 × 16
+    tiles. Masking scale·dAqk's store as well, before pass 2, would add spills)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                    IS_VARLEN)  # fmt: skip
+    if remaining <= 0:
+        return
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    dot_dtype = q.dtype.element_ty
+    chunk_id = (i_c * HV + i_hv).to(tl.int64)
+    last = tl.minimum(remaining, CHUNK) - 1
+    rows = tl.arange(0, CHUNK)
+    in_seq = rows < remaining
+    # 64-bit scalar bases and 32-bit offsets within the chunk: 64-bit offset tiles, hoisted
+    # out of the loops, would hold two registers an element.
+    state = chunk_id * K * V  # this chunk's [K, V] state and its gradient
+    square = chunk_id * CHUNK * CHUNK
+    value_base = (start * HV + i_hv) * V
+    key_base = (start * HV + i_hv) * K
+    row_offsets = (rows * HV)[:, None]
+    in_square = rows[:, None] * CHUNK + rows[None, :]
+    b_beta = load_beta_rows(beta + start * HV, rows, in_seq, i_hv, HV, USE_BETA_SIGMOID)
+    b_t = tl.load(solve + square + in_square, mask=rows[:, None] >= rows[None, :], other=0.0)
+    b_w = tl.load(w + key_base + row_offsets * K + offs_k[None, :],
+                  mask=in_seq[:, None] & mask_k[None, :], other=0.0).to(dot_dtype)  # fmt: skip
+    d_aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV_STEP)):
+        offs_v = i_v * BV_STEP + tl.arange(0, BV_STEP)
+        mask_v = offs_v < V
+        mask_rows_v = in_seq[:, None] & mask_v[None, :]
+        value_offsets = row_offsets * V + offs_v[None, :]
+        b_s = tl.load(chunk_states + state + offs_k[:, None] * V + offs_v[None, :],
+                      mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+        b_v = tl.load(v + value_base + value_offsets, mask=mask_rows_v, other=0.0).to(tl.float32)
+        b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
+                       other=0.0).to(dot_dtype)  # fmt: skip
+        b_dvn = tl.load(dv_new + value_base + value_offsets, mask=mask_rows_v, other=0.0)
+        b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
+        v_new = b_u - tl.dot(b_w, b_s.to(dot_dtype), input_precision=DOT_PRECISION)
+        v_new = v_new.to(dot_dtype)
+        d_aqk += tl.dot(b_do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        d_ru = tl.dot(tl.trans(b_t), b_dvn, input_precision=DOT_PRECISION)
+        tl.store(dv + value_base + value_offsets,
+                 (b_beta[:, None] * d_ru).to(dv.dtype.element_ty), mask=mask_rows_v)  # fmt: skip
+        tl.store(v_new_rows + value_base + value_offsets, v_new, mask=mask_rows_v)
+        tl.store(d_ru_rows + value_base + value_offsets, d_ru.to(dot_dtype), mask=mask_rows_v)
+        d_beta += tl.sum(d_ru * b_v, axis=1)
+        d_a -= tl.dot(d_ru, tl.trans(b_u), input_precision=DOT_PRECISION)
+    tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
+    d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
+    tl.store(d_aqk_tiles + square + in_square, d_aqk)
+    if d_aqk_low is not None:
+        tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
+
+    offs_v = tl.arange(0, BV)
+    mask_v = offs_v < V
+    mask_rows_v = in_seq[:, None] & mask_v[None, :]
+    value_offsets = row_offsets * V + offs_v[None, :]
+    b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
+                   other=0.0).to(dot_dtype)  # fmt: skip
+    v_new = tl.load(v_new_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
+    d_ru = tl.load(d_ru_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
+    q_chunk = q + start * H * K
+    k_chunk = k + start * H * K
+    cum_chunk = cum_g + start * HV * K
+    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    for i_k in range(0, tl.cdiv(K, BK_STEP)):
+        offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
+        mask_kb = offs_kb < K
+        mask_rows_kb = in_seq[:, None] & mask_kb[None, :]
+        key_offsets = row_offsets * K + offs_kb[None, :]
+        tile = state + offs_kb[:, None] * V + offs_v[None, :]
+        tile_mask = mask_kb[:, None] & mask_v[None, :]
+        s_keys = tl.load(chunk_states + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        ds_keys = tl.load(dstates + tile, mask=tile_mask, other=0.0).to(tl.float32)
+        s_keys_t = tl.trans(s_keys.to(dot_dtype))
+        d_qg = tl.dot(b_do, s_keys_t, input_precision=DOT_PRECISION)
+        d_kd = tl.dot(v_new, tl.trans(ds_keys.to(dot_dtype)), input_precision=DOT_PRECISION)
+        d_rw = -tl.dot(d_ru, s_keys_t, input_precision=DOT_PRECISION)  # Tᵀ dw
+        w_keys = tl.load(w + key_base + key_offsets, mask=mask_rows_kb,
+                         other=0.0).to(tl.float32)  # fmt: skip
+        d_a -= tl.dot(d_rw, tl.trans(w_keys), input_precision=DOT_PRECISION)
+
+        cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
+                           other=0.0)  # fmt: skip
+        b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        b_q *= q_factors[:, None]
+        b_k *= k_factors[:, None]
+        b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
+        gamma = tl.exp(b_cum)
+        to_end = tl.exp(cum_last[None, :] - b_cum)
+        d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
+        d_q = scale * gamma * d_qg
+        d_k = b_beta[:, None] * gamma * d_rw + to_end * d_kd
+        d_cum = b_q * d_q + b_beta[:, None] * b_k * gamma * d_rw - b_k * to_end * d_kd
+        # G_C (the last row) also scales the carried state (Σ_v S ⊙ dS') and every kd row.
+        d_decay = tl.sum(s_keys * ds_keys, axis=1)
+        d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
+        d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
+        tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
+        tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
+        tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
+    tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
+    d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
+    if d_a_low is None:
+        tl.store(d_a_tiles + square + in_square, d_a)
+    else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
+        diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
+        tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
+        tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
+
+
+# The WY kernel's value and key steps (its loops over V and over K) and pipeline stages
+# (bf16 / fp16 inputs): at 16 key columns a step the key loop spills less than at 32 but
+# takes twice the trips (``launch_sweep.py --only wy`` sweeps the sizes).
+WY_VALUE_STEP, WY_KEY_STEP, WY_STAGES = 32, 32, 2
+
+
+class WyLaunch(NamedTuple):
+    """How ``chunk_bwd_wy_kernel`` is launched: ``BV_STEP``, ``BK_STEP``, warps, stages."""
+
+    value_step: int
+    key_step: int
+    warps: int
+    stages: int
+
+
+def wy_launch(block_k: int, block_v: int, itemsize: int) -> WyLaunch:
+    """The WY kernel's launch for ``block_k`` / ``block_v`` columns and inputs of
+    ``itemsize`` bytes. Shared memory (227 KB a block on Hopper) holds the loops'
+    pipelined tiles: fp32 tiles are twice as large, so fp32 inputs (the accuracy path) are
+    not pipelined, and K > 128 halves the value step, which keeps every bf16 launch well
+    inside it. Past 128 value columns pass 2's three ``[64, BV]`` operands stay in shared
+    memory across its key loop, in fp32 192 KB: the key step there is 16, since at 32 the
+    fp32 launch does not fit, and 8 warps hold them in registers where 4 spill.
+    4 warps otherwise: a training step is faster than with 8, or with a key step of 16
+    (``benchmarks/ab.py``)."""
+    wide_v = block_v > 128
+    value_step = WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2
+    key_step = WY_KEY_STEP // 2 if wide_v and itemsize > 2 else WY_KEY_STEP
+    return WyLaunch(value_step=min(block_v, value_step), key_step=min(block_k, key_step),
+                    warps=8 if wide_v else 4, stages=WY_STAGES if itemsize <= 2 else 1)  # fmt: skip
+
+
+def launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states, dstates,
+              grad_o, dv_new, scale, length, layout: Layout, solve, d_aqk_tiles, d_a_tiles,
+              d_aqk_low, d_a_low, v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv,
+              dbeta_rows, use_qk_l2norm: bool, use_beta_sigmoid: bool) -> None:  # fmt: skip
+    """``chunk_bwd_wy_kernel`` over every chunk and value head (its outputs as there), as
+    ``wy_launch`` configures it."""
+    heads, head_k = q.shape[2], q.shape[3]
+    value_heads, head_v = v.shape[2], v.shape[3]
+    n_seqs, offsets, n_chunks = layout.n_seqs, layout.chunk_offsets, layout.n_chunks
+    block_k, block_v, precision = layout.block_k, layout.block_v, layout.flags["DOT_PRECISION"]
+    wy = wy_launch(block_k, block_v, q.element_size())
+    chunk_bwd_wy_kernel[(n_chunks, value_heads)](
+        q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
+        grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
+        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        BV_STEP=wy.value_step, BK_STEP=wy.key_step, BN=next_power_of_2(n_seqs), CHUNK=CHUNK,
+        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
+        num_warps=wy.warps, num_stages=wy.stages,
+    )  # fmt: skip

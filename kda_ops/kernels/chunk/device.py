@@ -1,0 +1,157 @@
+"""Device functions that more than one kernel of the chunked forward and backward calls:
+where a program's chunk or sequence lies in the token rows, the in-chunk cumulative sum
+of the log-decay, the gate activation of a row block, the l2norm and beta sigmoid of its
+rows, and the dyadic split of a diagonal block's decay factors. Kept in one place so that
+the forward's prepare kernel and the backward's kernels compute these rows alike.
+
+Chunks are C = ``CHUNK`` = 64 tokens, in row blocks of ``BLOCK`` = 16 (the blocks of the
+prepare kernel's UT/WY solve). With packed sequences chunks are numbered per sequence on
+the device (``chunk_offsets``), so that a launch needs no host sync: the grid is an upper
+bound and ``locate_chunk`` gives the programs past the last chunk nothing to do."""
+
+import triton
+import triton.language as tl
+
+from kda_ops import reference
+from kda_ops.kernels.fast_exp import fast_sigmoid
+from kda_ops.kernels.gate import gate_activation
+
+CHUNK = reference.CHUNK_SIZE
+BLOCK = tl.constexpr(16)  # rows of a block of the UT/WY solve; 4 blocks per chunk
+LOG2_BLOCK = tl.constexpr(4)
+L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
+
+
+@triton.jit
+def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                 BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+    """(first token of chunk i_c, tokens left in its sequence from there), both int64; none
+    left for the programs of the varlen grid's upper bound that have no chunk."""
+    # One return after a constexpr if/else: Triton 3.6 type-checks every return it
+    # reaches, and code after an early `return` inside a constexpr branch is reached.
+    if IS_VARLEN:
+        seqs = tl.arange(0, BN)
+        ends = tl.load(chunk_offsets + 1 + seqs, mask=seqs < n_seqs, other=2**31 - 1)
+        seq = tl.sum((ends <= i_c).to(tl.int32))
+        valid = seq < n_seqs
+        first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
+        bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
+        eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
+        start = bos + (i_c - first_chunk).to(tl.int64) * 64
+        remaining = tl.where(valid, eos - start, 0)
+    else:
+        n_chunks = tl.cdiv(length, 64)
+        seq = i_c // n_chunks
+        start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * 64
+        remaining = (seq + 1).to(tl.int64) * length - start
+    return start, remaining
+
+
+@triton.jit
+def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr):
+    """(first token, length, global number of the first chunk) of sequence i_n, for the
+    head-parallel scans over its chunks; int64, int64, int32."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        first_chunk = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * length
+        seq_len = (i_n * 0 + length).to(tl.int64)
+        first_chunk = i_n * tl.cdiv(length, 64)
+    return bos, seq_len, first_chunk
+
+
+@triton.jit
+def block_cumsum(b_g, ROWS: tl.constexpr, BK: tl.constexpr):
+    """(cumulative sum over the rows of a [ROWS, BK] fp32 tile, its total [BK]), from
+    one scan over the tile followed by ROWS zero rows, whose sums are all the total.
+    The same as ``tl.cumsum`` and ``tl.sum`` over the rows, whose tile spreads them over
+    the warps: joined with its zeros, each row's partner sits in the same thread. The
+    prepare kernels, which are instruction-bound, and the backward's 64-row rebuild kernel
+    compile to markedly fewer instructions this way than with those two
+    (``benchmarks/ab.py`` times the forward and the training step)."""
+    padded = tl.reshape(tl.permute(tl.join(b_g, tl.zeros_like(b_g)), (2, 0, 1)), [2 * ROWS, BK])
+    sums = tl.permute(tl.reshape(tl.cumsum(padded, axis=0), [2, ROWS, BK]), (1, 2, 0))
+    local, totals = tl.split(sums)
+    # Every row of totals is the total, up to rounding: any one will do.
+    return local, tl.max(totals, axis=0)
+
+
+@triton.jit
+def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constexpr,
+                  ROWS: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                  HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Activated log-decay of ROWS rows (``raw_g`` [ROWS, BK], or [ROWS] for a scalar
+    gate) given ``gate_parameters``' ``rate`` and ``bias``, [ROWS, BK] fp32; 0 on padding
+    rows."""
+    b_g = raw_g.to(tl.float32)
+    if SCALAR_GATE:
+        b_g = b_g[:, None] + tl.zeros([ROWS, BK], dtype=tl.float32)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            if SCALAR_GATE:
+                b_g += bias
+            else:
+                b_g += bias[None, :]
+        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+    return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
+
+
+@triton.jit
+def inverse_norm(rows):
+    """1 / sqrt(|row|² + eps) of each fp32 row (FLA's eps inside the square root)."""
+    return tl.rsqrt(tl.sum(rows * rows, axis=1) + L2NORM_EPS)
+
+
+@triton.jit
+def unit_rows(rows, USE_L2NORM: tl.constexpr):
+    """fp32 rows, l2-normalised when asked. One reciprocal square root per row and a
+    multiply per element: a division per element is a reciprocal with Newton steps and
+    range checks each."""
+    rows = rows.to(tl.float32)
+    if USE_L2NORM:
+        rows = rows * inverse_norm(rows)[:, None]
+    return rows
+
+
+@triton.jit
+def beta_rows(raw, rows_in, USE_BETA_SIGMOID: tl.constexpr):
+    """β fp32 from its loaded values ``[R]``: through the sigmoid with ``USE_BETA_SIGMOID``
+    (zero outside the sequence), as the forward and the backward must both see it."""
+    beta = raw.to(tl.float32)
+    if USE_BETA_SIGMOID:
+        beta = tl.where(rows_in, fast_sigmoid(beta), 0.0)
+    return beta
+
+
+@triton.jit
+def dyadic_level(level: tl.constexpr, decay, CUMULATIVE: tl.constexpr):
+    """Level ``level`` (h = 2^level) of a diagonal block's dyadic split: the pairs j < i
+    with i in the upper half of a 2h-row group and j in its lower half, and the factors
+    that join them through the group's middle row m, exp(G_i - G_m) on upper rows and
+    exp(G_m - G_j) on lower ones, both <= 1 whatever the decay. Every pair j < i of the
+    block is at exactly one of the four levels, where exp(G_i - G_j) = factor_i factor_j.
+    Returns (pairs [BLOCK, BLOCK] bool, factor [BLOCK, BK] fp32).
+
+    ``decay`` is the per-token log-decay g, the exponents then sums of g over a span
+    (a 0/1 span matrix's dot with g in split-tf32, "tf32x3", ~fp32 exact: plain tf32 would
+    err by ~1e-3 of a decay that can reach hundreds); or with ``CUMULATIVE`` the
+    cumulative log-decay G, the exponents then differences with the middle row (gathered
+    by a one-hot "ieee" dot, exact)."""
+    sub = tl.arange(0, BLOCK)
+    half = 1 << level
+    group = sub // (2 * half)
+    upper = sub % (2 * half) >= half
+    middle = group * 2 * half + half
+    token = sub[None, :]
+    if CUMULATIVE:
+        at_middle = tl.dot((token == middle[:, None]).to(tl.float32), decay,
+                           input_precision="ieee")  # fmt: skip
+        exponent = tl.where(upper[:, None], decay - at_middle, at_middle - decay)
+    else:
+        span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
+                        (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
+        exponent = tl.dot(span.to(tl.float32), decay, input_precision="tf32x3")
+    pairs = (group[:, None] == group[None, :]) & upper[:, None] & (token < middle[:, None])
+    return pairs, tl.exp(exponent)

@@ -1,0 +1,122 @@
+"""The chunked forward's launcher: the prepare kernel (once with the safe gate, else its
+bounded and unbounded launches; ``prepare.py``), then the recurrence over the chunks
+(``recurrence.py``), in one scan per sequence or in segments (``segments.py``).
+
+Varlen needs no host sync: chunks are numbered per sequence on the device
+(``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
+last chunk exit."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk.planning import dot_block, prepare_flags, prepare_warps
+from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
+from kda_ops.kernels.chunk.recurrence import launch_recurrence
+from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
+from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
+from kda_ops.reference import chunk_state_rows
+
+
+def launch_chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    chunk_states: Optional[Tensor] = None,
+    output: bool = True,
+    segments: Optional[int] = None,
+) -> tuple[Optional[Tensor], Tensor]:
+    """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
+    ``output=False``, which skips the output products) and the fp32 final state.
+    Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32.
+
+    ``chunk_states``: optional contiguous output ``[R, HV, K, V]`` (fp32, or the dot dtype
+    where the backward reads them) with
+    ``R = chunk_state_rows(B, T, N or None)``, filled with the state at the start of every
+    chunk (chunk c of sequence n at row ``n * ceil(T / 64) + c``, or
+    ``chunk_offsets(cu_seqlens)[n] + c`` with packed sequences, whose rows past the last
+    chunk are left untouched).
+
+    ``segments``: how many segments the recurrence of each sequence runs in
+    (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
+    lets :func:`recurrence_segments` choose from the shapes."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    batch, length, heads, head_k = q.shape
+    value_heads, head_v = v.shape[2], v.shape[3]
+    if cu_seqlens is None:
+        n_seqs = batch
+        chunk_offsets = None
+    else:
+        n_seqs = cu_seqlens.shape[0] - 1
+        chunk_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
+    # An upper bound with packed sequences (no host sync); programs past the end exit.
+    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
+    block_k, block_v = dot_block(head_k), dot_block(head_v)
+    flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
+                          use_beta_sigmoid)  # fmt: skip
+    precision = flags["DOT_PRECISION"]
+    tokens_shape = (batch, length, value_heads)
+    chunk_decay = torch.empty(n_chunks, value_heads, head_k, device=q.device, dtype=torch.float32)
+    w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
+    u = q.new_empty(*tokens_shape, head_v)
+    aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
+    if flags["SAFE_GATE"]:
+        passes, unbounded = ("all",), None
+    else:
+        passes = ("bounded", "unbounded")
+        unbounded = torch.empty(n_chunks, value_heads, device=q.device, dtype=torch.int8)
+    for chunks in passes:
+        chunk_prepare_kernel[(n_chunks, value_heads)](
+            q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+            scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
+            chunk_decay, w, u, qg, kd, aqk, unbounded,
+            H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+            BN=next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
+            num_warps=prepare_warps(block_k),
+        )  # fmt: skip
+    o = torch.empty_like(v) if output else None
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
+    scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, chunk_offsets, o,
+                final_state, chunk_states, precision, segments)  # fmt: skip
+    return o, final_state
+
+
+def scan_chunks(
+    intermediates: tuple[Tensor, ...],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    chunk_offsets: Optional[Tensor],
+    o: Optional[Tensor],
+    final_state: Tensor,
+    chunk_states: Optional[Tensor],
+    precision: str,
+    segments: Optional[int] = None,
+) -> None:
+    """The head-parallel recurrence over the prepare kernel's ``(w, u, qg, kd, aqk,
+    chunk_decay)`` (shapes as ``launch_chunk_kda`` allocates them): writes ``final_state``
+    and, when given, the outputs ``o`` and the chunk-start states; ``chunk_offsets`` of
+    ``cu_seqlens`` (``sequence_chunk_offsets``). ``segments`` as in ``launch_chunk_kda``."""
+    batch, length, value_heads = intermediates[1].shape[:3]
+    if segments is None:
+        segments = recurrence_segments(batch, length, value_heads, cu_seqlens, final_state.device)
+    if segments == 1:
+        launch_recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
+                          final_state, chunk_states, precision)  # fmt: skip
+    else:
+        segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
+                             final_state, chunk_states, precision)  # fmt: skip

@@ -1,0 +1,179 @@
+"""Launch planning for the chunked kernels, host-side and pure: the constexpr flags the
+prepare kernels take, their tile widths and warps, and the pipeline stages, value columns
+and launches of the head-parallel scans (the forward's recurrence, the backward's dS
+scan). Pure functions of the shapes and the device's sizes, so that
+``tests/kda_ops/kernels/test_sm90_compile.py`` and ``lowering/tensorrt.py`` configure a
+kernel as its launcher does."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops import reference
+from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
+
+
+def uses_safe_gate(lower_bound: Optional[float], has_gate: bool, dtype: torch.dtype) -> bool:
+    """Whether diagonal blocks may be dense dots: the in-kernel safe gate bounds a block's
+    decay by e^80, inside fp32 / bf16 range; fp16's (e^11) is too small."""
+    return (
+        has_gate
+        and lower_bound is not None
+        and lower_bound >= reference.SAFE_GATE_LOWER_BOUND
+        and dtype != torch.float16
+    )
+
+
+def prepare_flags(
+    q: Tensor,
+    g: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> dict[str, object]:
+    """The constexpr flags the forward's and the backward's token-parallel kernels share.
+    fp32 inputs get exact fp32 products; fp16 / bf16 use the tensor cores."""
+    return dict(
+        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None and A_log is not None,
+        SAFE_GATE=uses_safe_gate(lower_bound, A_log is not None, q.dtype),
+        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+
+
+def dot_block(n: int) -> int:
+    """The tile width of a head dim: its next power of two, at least 16 (``tl.dot`` needs
+    every dim >= 16; masks cover the padding)."""
+    return max(16, next_power_of_2(n))
+
+
+def prepare_warps(block_k: int) -> int:
+    """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 64
+    key columns, 8 past them (``benchmarks/launch_sweep.py --only prepare``). No register
+    cap: at 8 warps a cap that fits two programs per SM makes the program spill, which
+    costs more than the second program gains. Past 128 columns the same launch still
+    fits: it takes every register and a little stack, and little shared memory."""
+    return 4 if block_k <= 64 else 8
+
+
+def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
+                store_output: bool) -> int:  # fmt: skip
+    """Bytes of shared memory a head-parallel scan's loop takes at ``stages`` stages, an
+    upper bound (:func:`scan_stages`)."""
+    tiles = itemsize * (2 * block_k + block_v)
+    if store_output:
+        tiles += itemsize * block_k + aqk_itemsize * 64
+    return stages * (64 * tiles + 4 * block_k) + itemsize * block_k * block_v
+
+
+def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
+                store_output: bool, shared_memory: int) -> int:  # fmt: skip
+    """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
+    ``chunk_recurrence_kernel``, the backward's dS scan): 3 at up to 64 value columns
+    where their buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles
+    are loaded at the end of a step, after its stores, and waited for at the start of the
+    next; with 3 the loads run a whole step ahead. A stage holds w, kd ``[64, BK]`` and u
+    (dO) ``[64, BV]`` in the input dtype (``itemsize`` bytes), with the outputs also qg
+    ``[64, BK]`` and Aqk ``[64, 64]`` in its own dtype, and G_C; the state operand takes
+    up to ``[BK, BV]`` more (:func:`scan_shared`). At K = 128 in bf16 the recurrence's
+    3 stages fit Hopper's shared memory up to 64 value columns, not at 128. The segmented
+    path's maps pass (no outputs) would fit 3 stages at 128 columns too, but runs slower
+    with them than with 2, while at 64 columns the third stage pays there as well
+    (``benchmarks/cp.py``); hence the 64-column limit for every scan.
+
+    Up to 128 key columns 2 stages are taken unchecked: they fit every launch there, fp32
+    inputs included, whose tiles take less than the bound. Past 128 a stage of the
+    recurrence's tiles is about half of shared memory: 2 stages where they fit (narrow
+    value blocks), else 1, whose loads wait at the start of each step.
+    ``tests/kda_ops/kernels/test_sm90_compile.py`` checks the launches against the limit."""
+    tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output)
+    if block_v <= 64 and scan_shared(3, *tiles) <= shared_memory:
+        return 3
+    if block_k <= 128 or scan_shared(2, *tiles) <= shared_memory:
+        return 2
+    return 1
+
+
+def scan_widest(block_k: int, itemsize: int) -> int:
+    """The most value columns a scan program takes: its fp32 state ``[BK, columns]``
+    lives in registers. 128 up to 128 key columns; past them 64 (at 256 key columns the
+    state alone is 64 registers a thread at 8 warps, ``scan_warps``), and 32 with fp32
+    inputs, whose products hold their operands in shared memory, which the dS scan at 64
+    columns all but fills."""
+    if block_k <= 128:
+        return 128
+    return 64 if itemsize <= 2 else 32
+
+
+def scan_warps(block_k: int) -> int:
+    """Warps of a forward recurrence program: 4, and 8 past 128 key columns, where a
+    ``[256, 64]`` fp32 state alone takes 128 registers a thread at 4 warps and the program
+    spills; 8 warps halve that."""
+    return 4 if block_k <= 128 else 8
+
+
+def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
+                       three_stages_at_64: bool, widest: int = 128) -> int:  # fmt: skip
+    """Value columns per program of a head-parallel scan over the chunks (this forward's
+    recurrence, the backward's reverse scan) on ``sm_count`` SMs (``None`` off CUDA): the
+    fewest that still leave every program an SM of its own; where none does, 64 if a scan
+    at 64 columns runs 3 stages (``three_stages_at_64``, from :func:`scan_stages`), else
+    128, at most ``widest`` (:func:`scan_widest`). Each program walks all chunks serially,
+    so splitting V pays while SMs are idle; and a step at 64 columns with its loads a
+    chunk ahead (3 stages) beats one at 128 waiting for its loads, even when the
+    64-column programs take two waves. Without the third stage 64 columns lose to 128,
+    hence 128 then (``benchmarks/launch_sweep.py --only recurrence``). Off CUDA (the
+    interpreter) 32, so that CI covers several value blocks."""
+    if sm_count is None:
+        return min(block_v, 32)
+    for columns in (32, 64):
+        if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
+            return columns
+    return min(block_v, 64 if three_stages_at_64 else 128, widest)
+
+
+def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
+                itemsize: int, aqk_itemsize: int, store_output: bool, shared_memory: int,
+                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+    """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
+    :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
+    there), or 1 stage where the launcher does not pipeline the loop."""
+    widest = scan_widest(block_k, itemsize)
+    if not pipelined:
+        return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
+    tiles = (itemsize, aqk_itemsize, store_output, shared_memory)
+    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest)
+    return columns, scan_stages(block_k, columns, *tiles)
+
+
+def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
+                itemsize: int, aqk_itemsize: int, store_output: bool,
+                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+    """:func:`scan_config` on ``device``."""
+    sm_count = processors(device) if device.type == "cuda" else None
+    return scan_config(block_k, block_v, sequence_heads, sm_count, itemsize, aqk_itemsize,
+                       store_output, shared_memory(device), pipelined)  # fmt: skip
+
+
+def scan_launches(block_v: int, sequence_heads: int, columns: int,
+                  sm_count: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """(first sequence-head, sequence-heads, value columns) of each launch of a scan that
+    takes ``columns`` (``scan_value_columns``) on ``sm_count`` SMs: one launch, unless its
+    programs need more than one wave and the heads past the first wave fit one wave at
+    half the columns; then those run in a second launch at half the columns, shorter
+    steps in place of a second wave of full ones: the remaining heads' programs at half
+    the columns finish sooner than a second wave at full width would."""
+    per_head = cdiv(block_v, columns)
+    first_wave = sm_count // per_head
+    rest = sequence_heads - first_wave
+    half = columns // 2
+    if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= sm_count:
+        return [(0, first_wave, columns), (first_wave, rest, half)]
+    return [(0, sequence_heads, columns)]

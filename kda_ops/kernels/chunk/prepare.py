@@ -1,0 +1,496 @@
+"""The forward's token-parallel prepare kernel, ``chunk_prepare_kernel`` (grid: chunks ×
+value heads), and the program body it shares with the backward's prepare kernel
+(``prepare_chunks``).
+
+Per chunk of C = 64 tokens, in four row blocks of 16: gate activation and in-chunk
+cumulative log-decay G, l2norm of q and k, beta sigmoid, and the UT/WY solve by block
+forward substitution, every solved block kept in registers. It stores what the recurrence
+(``recurrence.py``) needs: ``w = T β (K ⊙ Γ)``, ``u = T β V``, ``qg = scale Q ⊙ Γ``,
+``kd = K ⊙ Γ_C / Γ``, ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and the chunk's total log-decay
+G_C (fp32), where Γ = exp(G) and ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
+
+Decay ratios exp(G_i - G_j) between blocks are split at block boundaries into factors of
+at most 1 (row side decayed from its block's start, column side to its block's end, and
+the gap between the two blocks). Inside a diagonal block, with the safe gate
+(``-5 <= lower_bound < 0``) and bf16 / fp32 inputs, the column side is scaled up by at
+most e^80 (inside fp32 and bf16 range) and the block is one dense dot. Any other gate
+(and fp16) takes the same dense dots first, and the chunk's block decays, computed on the
+way, say whether they were in range: every block decaying by at most e^80 (e^10 for
+fp16) in every channel, as real gates mostly do. A chunk where one did not is redone
+with its blocks' pairs split dyadically (four levels of two dots, every factor at most
+1; ``diagonal_block``), overwriting every output of the dense pass. The kernel's
+``CHUNKS`` picks what a launch does: ``"all"`` redoes such a chunk in the same program
+(the safe gate's only path, and TensorRT's single-launch plugin); without the safe gate
+``launch_chunk_kda`` (``launch.py``) launches twice, ``"bounded"`` (every chunk dense,
+flagging those out of range in an int8 ``[chunks, HV]`` buffer) then ``"unbounded"``
+(the flagged ones, dyadic), so that each launch compiles one path: a kernel holding both
+paths spills heavily, while the bounded launch alone compiles to about the safe gate's
+kernel."""
+
+import triton
+import triton.language as tl
+
+from kda_ops.kernels.chunk.device import (
+    BLOCK,
+    LOG2_BLOCK,
+    activate_gate,
+    beta_rows,
+    block_cumsum,
+    dyadic_level,
+    inverse_norm,
+    locate_chunk,
+    unit_rows,
+)
+from kda_ops.kernels.fast_exp import fast_exp
+from kda_ops.kernels.gate import gate_parameters
+
+# The backward's pairs kernel takes a diagonal block as a dense dot, factors up to
+# e^{block's decay}, when it decays within e^75: the safe gate's bound (15 rows of at most
+# 5), which other gates' blocks mostly meet too (``pair_limits`` of the backward's prepare
+# flags the chunks where one does not).
+PAIRS_DENSE_LIMIT = tl.constexpr(75.0)
+
+
+@triton.jit
+def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr):
+    """(I + a)⁻¹ for a strictly lower-triangular [BLOCK, BLOCK] fp32 a. With m = -a
+    nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
+    six small dots instead of BLOCK dependent row updates. In ``DOT_PRECISION``: tf32 on
+    tensor cores for bf16 / fp16 inputs (as the solve that uses the inverse), which moves
+    their output well under its rounding; fp32 inputs keep FMA ("ieee")."""
+    rows = tl.arange(0, BLOCK)
+    power = -a
+    inverse = (rows[:, None] == rows[None, :]).to(tl.float32) + power
+    for _ in tl.static_range(LOG2_BLOCK - 1):
+        power = tl.dot(power, power, input_precision=DOT_PRECISION)
+        inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
+    return inverse
+
+
+@triton.jit
+def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask_k, offs_v,
+                mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                SCALAR_GATE: tl.constexpr):  # fmt: skip
+    """Raw inputs of row block i_b, in their storage dtype, zero past the sequence's end:
+    g ([BLOCK, BK], or [BLOCK] for a scalar gate), q, k ([BLOCK, BK]), v ([BLOCK, BV]),
+    beta ([BLOCK]). The kernel issues all four blocks' loads before any math, so their
+    latencies overlap instead of stalling each block in turn."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    mask = in_seq[:, None] & mask_k[None, :]
+    value_rows = (tokens * HV + i_hv)[:, None]
+    if SCALAR_GATE:
+        raw_g = tl.load(g + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    else:
+        raw_g = tl.load(g + value_rows * K + offs_k[None, :], mask=mask, other=0.0)
+    key_rows = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
+    r_q = tl.load(q + key_rows, mask=mask, other=0.0)
+    r_k = tl.load(k + key_rows, mask=mask, other=0.0)
+    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=in_seq[:, None] & mask_v[None, :],
+                  other=0.0)  # fmt: skip
+    r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0)
+    return raw_g, r_q, r_k, r_v, r_beta
+
+
+@triton.jit
+def _reloaded(A_log, dt_bias, rate, bias, i_hv, offs_k, mask_k, K: tl.constexpr,
+              SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+              RELOAD: tl.constexpr):  # fmt: skip
+    """``gate_parameters`` loaded again with ``RELOAD``, else ``rate`` and ``bias``."""
+    if RELOAD:
+        rate, bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                     USE_GATE, HAS_DT_BIAS)  # fmt: skip
+    return rate, bias
+
+
+@triton.jit
+def dense_decay_limit(DOT_DTYPE: tl.constexpr):
+    """The largest in-block log-decay a dense diagonal dot may scale a row up by: e^80
+    stays inside fp32 and bf16 (max ~e^88.7); fp16's max 65504 is ~e^11.1."""
+    if DOT_DTYPE == tl.float16:  # noqa: SIM300 (a constexpr dtype)
+        limit = 10.0
+    else:
+        limit = 80.0
+    return limit
+
+
+@triton.jit
+def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
+                   SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   CUMULATIVE: tl.constexpr):  # fmt: skip
+    """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
+    ``local`` being the cumulative log-decay from a reference row at or before the
+    block's start, ``q_in``, ``k_in`` the rows decayed by ``local`` and ``decay`` the
+    per-token log-decay (or, with ``CUMULATIVE``, the cumulative one; ``dyadic_level``).
+    Entries above the diagonal are left for the caller to mask (kk's diagonal too)."""
+    if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
+        to_col = tl.trans((r_k * fast_exp(-local)).to(DOT_DTYPE))
+        kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
+        qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
+    else:
+        # Any decay, exactly: two dots a level of the dyadic split, whose factors scale
+        # both the rows and the columns (only the level's pairs are kept).
+        sub = tl.arange(0, BLOCK)
+        qk = tl.where(sub[:, None] == sub[None, :], tl.sum(r_q * r_k, axis=1)[:, None], 0.0)
+        kk = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        for level in tl.static_range(LOG2_BLOCK):
+            pairs, factor = dyadic_level(level, decay, CUMULATIVE)
+            k_f = (r_k * factor).to(DOT_DTYPE)
+            cols = tl.trans(k_f)
+            kk += tl.where(pairs, tl.dot(k_f, cols, input_precision=DOT_PRECISION), 0.0)
+            q_f = (r_q * factor).to(DOT_DTYPE)
+            qk += tl.where(pairs, tl.dot(q_f, cols, input_precision=DOT_PRECISION), 0.0)
+    return qk, kk
+
+
+@triton.jit
+def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
+                remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g,
+                q_norm, k_norm, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
+                USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
+    cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
+    diagonal Aqk tile (for the backward, given ``cum_g``, also its cumulative log-decay rows
+    and, given ``q_norm`` / ``k_norm`` and with l2norm, the inverse norms of its q and k
+    rows); returns
+
+    - ``k_in``, ``q_in``: k and q decayed from the block start (factors <= 1),
+    - ``k_out``: k decayed to the block end (factors <= 1), the column side of later blocks,
+    - ``r_beta``, the right-hand sides ``β K Γ`` and ``β V`` of the UT/WY solve,
+    - ``a_kk``: the block's own strictly lower ``β (K ⊙ Γ)(K / Γ)ᵀ`` tile,
+    - ``decay_after``: the cumulative log-decay at the block's end.
+    """
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
+                        SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+    local, block_decay = block_cumsum(b_g, BLOCK, BK)  # padding rows add no decay
+    rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    mask = in_seq[:, None] & mask_k[None, :]
+    if cum_g is not None:
+        tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
+    if q_norm is not None and USE_L2NORM:
+        tl.store(q_norm + tokens * HV + i_hv, inverse_norm(r_q.to(tl.float32)), mask=in_seq)
+        tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
+    r_q = unit_rows(r_q, USE_L2NORM)
+    r_k = unit_rows(r_k, USE_L2NORM)
+    r_beta = beta_rows(r_beta, in_seq, USE_BETA_SIGMOID)
+    r_v = r_v.to(tl.float32)
+
+    from_start = fast_exp(local)
+    k_in = r_k * from_start
+    q_in = r_q * from_start
+    qk, kk = diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
+                            DOT_PRECISION, False)  # fmt: skip
+    qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
+    tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
+    a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
+
+    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block, whose exponentials these are
+        k_out = r_k * fast_exp(-local) * fast_exp(block_decay)[None, :]
+    else:
+        k_out = r_k * fast_exp(block_decay[None, :] - local)
+    to_chunk_start = fast_exp(decay_before)[None, :]
+    rhs_w = r_beta[:, None] * k_in * to_chunk_start
+    rhs_u = r_beta[:, None] * r_v
+    tl.store(qg + rows, (scale * q_in * to_chunk_start).to(qg.dtype.element_ty), mask=mask)
+    return k_in, q_in, k_out, r_beta, rhs_w, rhs_u, a_kk, decay_before + block_decay
+
+
+@triton.jit
+def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
+               rhs_w, rhs_u, aqk, solve, tile_offsets, scale,
+               DOT_PRECISION: tl.constexpr, ADJACENT: tl.constexpr):  # fmt: skip
+    """Couples a row block to an earlier, solved column block: stores their Aqk tile (at
+    ``aqk + tile_offsets``; A_ij's at ``solve + tile_offsets`` when given) and subtracts
+    ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns. The gap
+    between the column block's end and the row block's start decays the column side
+    (factor <= 1), which both products share; ``ADJACENT``: the column block is the one
+    just before, no gap."""
+    dot_dtype = col_w.dtype
+    if ADJACENT:
+        col = tl.trans(col_k_out.to(dot_dtype))
+    else:
+        gap = fast_exp(decay_before - col_decay_after)[None, :]
+        col = tl.trans((col_k_out * gap).to(dot_dtype))
+    a_qk = tl.dot(q_in.to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
+    tl.store(aqk + tile_offsets, a_qk.to(aqk.dtype.element_ty))
+    a_kk = r_beta[:, None] * tl.dot(k_in.to(dot_dtype), col, input_precision=DOT_PRECISION)
+    if solve is not None:  # for T (_store_inverse), read back there
+        tl.store(solve + tile_offsets, a_kk)
+    minus_a = (-a_kk).to(dot_dtype)
+    rhs_w = tl.dot(minus_a, col_w, acc=rhs_w, input_precision=DOT_PRECISION)
+    rhs_u = tl.dot(minus_a, col_u, acc=rhs_u, input_precision=DOT_PRECISION)
+    return rhs_w, rhs_u
+
+
+@triton.jit
+def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
+                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """w, u rows of a block, its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
+    eliminated right-hand sides; stored, and returned in the storage dtype for the later
+    blocks."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
+    b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
+    rows = (tokens * HV + i_hv)[:, None]
+    tl.store(w + rows * K + offs_k[None, :], b_w, mask=in_seq[:, None] & mask_k[None, :])
+    tl.store(u + rows * V + offs_v[None, :], b_u, mask=in_seq[:, None] & mask_v[None, :])
+    return b_w, b_u
+
+
+@triton.jit
+def _store_kd(kd, k_out, decay_after, chunk_decay, start, remaining, i_b, i_hv, offs_k,
+              mask_k, HV: tl.constexpr, K: tl.constexpr):  # fmt: skip
+    """kd rows of a block: k decayed to the chunk's end."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    b_kd = k_out * fast_exp(chunk_decay - decay_after)[None, :]
+    tl.store(kd + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
+             b_kd.to(kd.dtype.element_ty), mask=in_seq[:, None] & mask_k[None, :])  # fmt: skip
+
+
+@triton.jit
+def chunk_prepare_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
+    scale, lower_bound, length, n_seqs,
+    chunk_decay, w, u, qg, kd, aqk, unbounded,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):  # fmt: skip
+    prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
+                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
+                   None, None, None, None, None, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
+                   USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS)  # fmt: skip
+
+
+@triton.jit
+def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
+                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
+                   cum_g, solve, q_norm, k_norm, pair_limits,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
+                   HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+                   SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
+                   USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
+    """The body of a prepare program (chunk, value head), for ``chunk_prepare_kernel`` and,
+    with the backward's extra outputs (``cum_g`` ... ``pair_limits``, or all ``None``;
+    ``cum_g`` alone may be ``None``, when the backward rebuilds G), for the backward's
+    prepare kernel: which chunks a launch prepares is ``CHUNKS`` (module
+    docstring), ``unbounded`` holding the flags between a "bounded" and an "unbounded"
+    launch."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
+                                     BN, IS_VARLEN)  # fmt: skip
+    if remaining > 0:
+        # fmt: off
+        if CHUNKS == "unbounded":
+            if tl.load(unbounded + i_c * HV + i_hv) != 0:
+                _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                               remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g,
+                               solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK, BV,
+                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
+                               USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+        else:
+            fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                                  remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
+                                  cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
+                                  BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
+                                  USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+            if not SAFE_GATE:
+                if CHUNKS == "bounded":
+                    tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
+                elif fits == 0:  # "all": redo this chunk here, overwriting every output
+                    tl.debug_barrier()  # the dense pass's stores land first
+                    _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
+                                   remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
+                                   cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
+                                   BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
+                                   False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+
+
+@triton.jit
+def _store_inverse(t_rows, t00, t11, t22, t33):
+    """T = (I + A)⁻¹ of a chunk by 16-row blocks, T_IJ = -T_II Σ_{J <= L < I} A_IL T_LJ,
+    over the A tiles below the diagonal that ``t_rows`` holds (tile (I, J) at
+    ``t_rows + (I * 64 + J) * BLOCK``), given the diagonal inverses; overwrites them with
+    T's, and T's diagonal tiles. Read back from memory, the A tiles reach these small dots
+    without the compiler recomputing the dots that made them in the dots' layout."""
+    tl.debug_barrier()  # every A tile stored
+    tile = BLOCK * 64
+    a10 = tl.load(t_rows + tile)
+    a20 = tl.load(t_rows + 2 * tile)
+    a21 = tl.load(t_rows + 2 * tile + BLOCK)
+    a30 = tl.load(t_rows + 3 * tile)
+    a31 = tl.load(t_rows + 3 * tile + BLOCK)
+    a32 = tl.load(t_rows + 3 * tile + 2 * BLOCK)
+    t10 = _inverse_tile(t11, _dot(a10, t00))
+    t20 = _inverse_tile(t22, _dot(a20, t00) + _dot(a21, t10))
+    t21 = _inverse_tile(t22, _dot(a21, t11))
+    t30 = _inverse_tile(t33, _dot(a30, t00) + _dot(a31, t10) + _dot(a32, t20))
+    t31 = _inverse_tile(t33, _dot(a31, t11) + _dot(a32, t21))
+    t32 = _inverse_tile(t33, _dot(a32, t22))
+    tl.debug_barrier()  # every A tile read
+    tl.store(t_rows, t00)
+    tl.store(t_rows + tile, t10)
+    tl.store(t_rows + tile + BLOCK, t11)
+    tl.store(t_rows + 2 * tile, t20)
+    tl.store(t_rows + 2 * tile + BLOCK, t21)
+    tl.store(t_rows + 2 * tile + 2 * BLOCK, t22)
+    tl.store(t_rows + 3 * tile, t30)
+    tl.store(t_rows + 3 * tile + BLOCK, t31)
+    tl.store(t_rows + 3 * tile + 2 * BLOCK, t32)
+    tl.store(t_rows + 3 * tile + 3 * BLOCK, t33)
+
+
+@triton.jit
+def _dot(a, b):
+    """A [16, 16] fp32 product, exact (FMA)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inverse_tile(t_diag, acc):
+    """Block (I, J) of T below the diagonal, -T_II Σ_{J <= L < I} A_IL T_LJ, given T_II
+    and the sum."""
+    return -_dot(t_diag, acc)
+
+
+@triton.jit
+def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
+                   i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g, solve, q_norm, k_norm,
+                   pair_limits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                   USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
+                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The prepare kernel's work on one chunk and value head (see the module docstring);
+    ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot. Given ``solve``
+    (the backward), also T = (I + A)⁻¹ (fp32 ``[C, C]`` tiles on and below the diagonal at
+    the chunk's place, as ``aqk``), the cumulative log-decay and l2norm factors
+    (``_open_block``) and whether a row block decays past ``PAIRS_DENSE_LIMIT``
+    (``pair_limits``, int8, without the safe gate). Returns whether every row block
+    decays within ``dense_decay_limit``."""
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    offs_v = tl.arange(0, BV)
+    mask_v = offs_v < V
+    sub = tl.arange(0, BLOCK)
+    # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * 64 + j) * BLOCK; T's likewise.
+    square = ((i_c * HV + i_hv).to(tl.int64) * 64 + sub)[:, None] * 64 + sub[None, :]
+    aqk_rows = aqk + square
+    tile = BLOCK * 64  # one row block down
+
+    # The four row blocks, unrolled so every solved block stays in registers.
+    # fmt: off
+    g0, q0, k0, v0, beta0 = _load_block(q, k, v, g, beta, start, remaining, 0, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g1, q1, k1, v1, beta1 = _load_block(q, k, v, g, beta, start, remaining, 1, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g2, q2, k2, v2, beta2 = _load_block(q, k, v, g, beta, start, remaining, 2, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    g3, q3, k3, v3, beta3 = _load_block(q, k, v, g, beta, start, remaining, 3, i_h, i_hv, offs_k,
+                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
+    gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
+                                           USE_GATE, HAS_DT_BIAS)
+    # The launch that also keeps T (the backward's kernel 1) reloads them for each row block:
+    # held across the blocks they spill there.
+    reload = solve is not None
+
+    decay0 = tl.zeros([BK], dtype=tl.float32)
+    _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
+        g0, q0, k0, v0, beta0, gate_rate, gate_bias, scale, lower_bound, start, remaining, 0,
+        i_hv, decay0, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t00 = inverse_unit_lower(a0, DOT_PRECISION)  # off the elimination chain
+    w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
+
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
+    k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
+        g1, q1, k1, v1, beta1, gate_rate, gate_bias, scale, lower_bound, start, remaining, 1,
+        i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t11 = inverse_unit_lower(a1, DOT_PRECISION)
+    rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
+                                rhs_w1, rhs_u1, aqk, solve, square + tile, scale,
+                                DOT_PRECISION, True)
+    w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
+
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
+    k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
+        g2, q2, k2, v2, beta2, gate_rate, gate_bias, scale, lower_bound, start, remaining, 2,
+        i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t22 = inverse_unit_lower(a2, DOT_PRECISION)
+    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
+                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile, scale,
+                                DOT_PRECISION, False)
+    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
+                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile + BLOCK, scale,
+                                DOT_PRECISION, True)
+    w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
+                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
+
+    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
+                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
+    k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
+        g3, q3, k3, v3, beta3, gate_rate, gate_bias, scale, lower_bound, start, remaining, 3,
+        i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
+        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
+        DOT_PRECISION)
+    t33 = inverse_unit_lower(a3, DOT_PRECISION)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile, scale,
+                                DOT_PRECISION, False)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + BLOCK, scale,
+                                DOT_PRECISION, False)
+    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
+                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + 2 * BLOCK, scale,
+                                DOT_PRECISION, True)
+    _solve_block(t33, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
+                 mask_v, HV, K, V, DOT_PRECISION)
+
+    # kd needs the decay at the chunk's end, known only now.
+    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay4, mask=mask_k)
+    _store_kd(kd, k_out0, decay1, decay4, start, remaining, 0, i_hv, offs_k, mask_k, HV, K)
+    _store_kd(kd, k_out1, decay2, decay4, start, remaining, 1, i_hv, offs_k, mask_k, HV, K)
+    _store_kd(kd, k_out2, decay3, decay4, start, remaining, 2, i_hv, offs_k, mask_k, HV, K)
+    _store_kd(kd, k_out3, decay4, decay4, start, remaining, 3, i_hv, offs_k, mask_k, HV, K)
+
+    if solve is not None:
+        _store_inverse(solve + square, t00, t11, t22, t33)
+    # fmt: on
+    # Whether the dense diagonal dots were in range: every block's decay within the limit.
+    blocks = tl.minimum(
+        tl.minimum(decay1, decay2 - decay1), tl.minimum(decay3 - decay2, decay4 - decay3)
+    )
+    least = tl.min(blocks, axis=0)
+    if pair_limits is not None:
+        tl.store(pair_limits + i_c * HV + i_hv, (least < -PAIRS_DENSE_LIMIT).to(tl.int8))
+    return least >= -dense_decay_limit(qg.dtype.element_ty)

@@ -1,0 +1,112 @@
+"""The forward's head-parallel recurrence kernel, ``chunk_recurrence_kernel`` (grid: value
+blocks × sequences × heads), and its launch over a set of sequences.
+
+Over the prepare kernel's outputs (``prepare.py``) it walks a sequence's chunks with the
+fp32 state S in registers: ``v_new = u - w S``, ``o = qg S + Aqk v_new``,
+``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are written to memory only when asked
+(``STORE_CHUNK_STATES``: the state at each chunk start, what a prefix cache stores and
+what the backward reads, ``[n_chunks, HV, K, V]`` at the chunk's global number). Extra
+state columns past V (``WIDTH``) carry the transition map that ``segments.py`` composes."""
+
+import triton
+import triton.language as tl
+
+from kda_ops.kernels.chunk.device import sequence_span
+from kda_ops.kernels.chunk.planning import (
+    dot_block,
+    scan_launch,
+    scan_launches,
+    scan_stages,
+    scan_warps,
+)
+from kda_ops.kernels.fast_exp import fast_exp
+from kda_ops.kernels.sizes import cdiv, processors, shared_memory
+
+
+@triton.jit
+def chunk_recurrence_kernel(
+    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
+    first_head, o, final_state, chunk_states,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), first_head + tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V  # value columns (u, o)
+    mask_s = offs_v < WIDTH  # state columns
+    dot_dtype = qg.dtype.element_ty
+
+    tile_offsets = offs_k[:, None] * WIDTH + offs_v[None, :]  # within one [K, WIDTH] state
+    state_offsets = i_nh.to(tl.int64) * K * WIDTH + tile_offsets
+    state_mask = mask_k[:, None] & mask_s[None, :]
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INITIAL_STATE:
+        state = tl.load(initial_state + state_offsets, mask=state_mask, other=0.0)
+    if WIDTH > V:  # transition columns: u = 0 and the identity as the state coming in
+        state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
+
+    rows = tl.arange(0, 64)
+    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=STAGES):
+        tokens = bos + c * 64 + rows
+        in_seq = c * 64 + rows < seq_len
+        token_offsets = (tokens * HV + i_hv)[:, None]
+        mask_rows_k = in_seq[:, None] & mask_k[None, :]
+        mask_rows_v = in_seq[:, None] & mask_v[None, :]
+        mask_rows_s = in_seq[:, None] & mask_s[None, :]
+        b_w = tl.load(w + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_qg = tl.load(qg + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
+        b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
+        chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
+        if STORE_CHUNK_STATES:  # the state entering this chunk
+            tl.store(chunk_states + chunk_id * K * WIDTH + tile_offsets,
+                     state.to(chunk_states.dtype.element_ty), mask=state_mask)  # fmt: skip
+        b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
+        # Blocks above the diagonal are never written (no zero-filled buffer needed).
+        b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
+        decay_last = fast_exp(tl.load(chunk_decay + chunk_id * K + offs_k, mask=mask_k, other=0.0))
+
+        b_state = state.to(dot_dtype)
+        v_new = b_u.to(tl.float32) - tl.dot(b_w.to(dot_dtype), b_state,
+                                            input_precision=DOT_PRECISION)  # fmt: skip
+        v_new = tl.where(mask_rows_s, v_new, 0.0).to(dot_dtype)
+        if STORE_OUTPUT:
+            b_o = tl.dot(b_qg.to(dot_dtype), b_state, input_precision=DOT_PRECISION)
+            b_o += tl.dot(b_aqk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
+            tl.store(o + token_offsets * V + offs_v[None, :], b_o.to(o.dtype.element_ty),
+                     mask=mask_rows_v)  # fmt: skip
+        state = state * decay_last[:, None] + tl.dot(
+            tl.trans(b_kd.to(dot_dtype)), v_new, input_precision=DOT_PRECISION
+        )
+    tl.store(final_state + state_offsets, state, mask=state_mask)
+
+
+def launch_recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
+                      final_state, chunk_states, precision, width=None):  # fmt: skip
+    """One launch of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
+    (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel)."""
+    w, u, qg, kd, aqk, chunk_decay = intermediates
+    n_seqs, value_heads, head_k, state_width = final_state.shape
+    head_v = u.shape[-1]
+    block_k, block_v = dot_block(head_k), dot_block(state_width)
+    sequence_heads = n_seqs * value_heads
+    tiles = (w.element_size(), aqk.element_size(), o is not None)
+    columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
+    launches = scan_launches(block_v, sequence_heads, columns, processors(u.device))
+    for first_head, heads, split_v in launches:
+        chunk_recurrence_kernel[(cdiv(state_width, split_v), heads)](
+            w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
+            first_head, o, final_state, chunk_states,
+            HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
+            HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
+            STORE_OUTPUT=o is not None,
+            STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
+            num_warps=scan_warps(block_k),
+        )  # fmt: skip

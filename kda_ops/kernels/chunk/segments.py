@@ -1,0 +1,76 @@
+"""The recurrence of a long sequence in segments: in-device context parallelism for
+sequences too long and too few to fill the SMs with one serial scan each.
+
+``recurrence_segments`` picks how many segments; ``segmented_recurrence`` runs them:
+each segment's affine map from zero, the maps composed for each segment's exact incoming
+state, then every segment again from that state."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk.recurrence import launch_recurrence
+from kda_ops.kernels.sizes import processors
+from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
+
+MIN_SEGMENT_TOKENS = 8192
+
+
+def recurrence_segments(
+    batch: int, length: int, value_heads: int, cu_seqlens: Optional[Tensor], device: torch.device
+) -> int:
+    """Segments per sequence for the chunk recurrence: 1 (one serial scan per sequence)
+    unless the sequences are long and too few to fill the SMs, then the largest power of two
+    ``S`` with ``batch * value_heads * S`` at most the SM count and segments of at least
+    ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Fixed length on CUDA only."""
+    if cu_seqlens is not None or device.type != "cuda":
+        return 1
+    sms = processors(device)
+    segments = 1
+    while (
+        batch * value_heads * segments * 2 <= sms
+        and length % (CHUNK * segments * 2) == 0
+        and length // (segments * 2) >= MIN_SEGMENT_TOKENS
+    ):
+        segments *= 2
+    return segments
+
+
+def segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
+                         final_state, chunk_states, precision):  # fmt: skip
+    """In-device context parallelism for the recurrence (the prepare kernel's outputs are
+    per chunk, so segments share them). Each sequence is cut into ``segments`` runs of
+    whole chunks, run as packed sequences:
+
+    1. every segment from zero with ``K`` transition columns next to its values, giving its
+       affine map ``S_end = M S_start + E`` (``[E | M]``, the state ``[K, V + K]``);
+    2. the maps composed in order (``segments`` small ``[K, K] @ [K, V]`` steps per head)
+       for each segment's exact incoming state;
+    3. every segment again from that state, writing outputs, chunk states and final
+       states.
+    """
+    u = intermediates[1]
+    value_heads, head_v = u.shape[2], u.shape[3]
+    head_k = intermediates[0].shape[3]
+    device = u.device
+    segment_length = length // segments
+    cuts = torch.arange(0, batch * length + 1, segment_length, device=device, dtype=torch.int32)
+    chunk_offsets = sequence_chunk_offsets(cuts, CHUNK)
+    maps = torch.empty(batch * segments, value_heads, head_k, head_v + head_k, device=device,
+                       dtype=torch.float32)  # fmt: skip
+    launch_recurrence(intermediates, None, cuts, chunk_offsets, segment_length, None, maps, None,
+                      precision)  # fmt: skip
+    maps = maps.unflatten(0, (batch, segments))
+    ends, transitions = maps[..., :head_v], maps[..., head_v:]
+    state = torch.zeros_like(final_state) if initial_state is None else initial_state
+    starts = []
+    for segment in range(segments):
+        starts.append(state)
+        state = transitions[:, segment] @ state + ends[:, segment]
+    starts = torch.stack(starts, 1).flatten(0, 1)
+    segment_finals = torch.empty_like(starts)
+    launch_recurrence(intermediates, starts, cuts, chunk_offsets, segment_length, o, segment_finals,
+                      chunk_states, precision)  # fmt: skip
+    final_state.copy_(segment_finals.unflatten(0, (batch, segments))[:, -1])

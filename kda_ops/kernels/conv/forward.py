@@ -1,0 +1,182 @@
+"""The causal conv1d prefill and its launcher, ``launch_causal_conv1d``, which hands one
+token per sequence to the decode step (``step.py``).
+
+A token-parallel output kernel, in which a sequence's first ``W - 1`` tokens (the only
+ones reading the initial state) are done apart by the program holding the sequence's
+start. The program of a batch row's last token block also writes the row's final conv
+state (its last ``W - 1`` inputs); for packed sequences, and for a pool rewritten in
+place, a sequence-parallel kernel writes it after the output kernel instead. The output
+kernel runs before the state kernel, so reading and rewriting the same slot is safe.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kda_ops.kernels.conv.device import (
+    add_bias,
+    head_rows,
+    pre_activation,
+    sequence_extent,
+    starting_sequences,
+    state_slot,
+    tile_sizes,
+    token_block,
+)
+from kda_ops.kernels.conv.step import launch_step
+from kda_ops.kernels.fast_exp import fast_sigmoid
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
+
+
+@triton.jit
+def _write_output(y, z, bias, tokens, rows, cols, mask_d, D: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """y = act(z + bias) of the rows where ``rows`` holds."""
+    z = add_bias(z, bias, cols, mask_d, HAS_BIAS)
+    if SILU:
+        z = z * fast_sigmoid(z)
+    tl.store(y + tokens[:, None] * D + cols[None, :], z.to(y.dtype.element_ty),
+             mask=rows[:, None] & mask_d[None, :])  # fmt: skip
+
+
+@triton.jit
+def causal_conv1d_kernel(
+    x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y, state_out,
+    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+    FINAL_STATE: tl.constexpr,
+):  # fmt: skip
+    """y of a [BT, BD] tile from x alone. With an initial state, a sequence's first W - 1
+    tokens (the only ones reading it) are done apart (``head_rows``) by the program
+    holding the sequence's first token: the state's strided gather over every tile's rows
+    made this kernel spill and load 2 bytes at a time. With ``FINAL_STATE`` (batch rows,
+    not packed; ``state_out`` not ``state``) the program of a row's last token block also
+    writes its final state, which otherwise ``conv_final_state_kernel`` does."""
+    cols, mask_d, tokens, seq, bos, valid = token_block(cu_seqlens, n_seqs, length, D, BT, BD,
+                                                        BN, IS_VARLEN)  # fmt: skip
+    position = tokens - bos
+    z = pre_activation(x, state, weight, tokens, position, seq, valid, valid, cols, mask_d, D,
+                       W, False)  # fmt: skip
+    rows = valid
+    if HAS_STATE:
+        rows = valid & (position >= W - 1)
+    _write_output(y, z, bias, tokens, rows, cols, mask_d, D, HAS_BIAS, SILU)
+    if HAS_STATE:
+        i_n, last = starting_sequences(seq, position, valid, n_seqs)
+        while i_n <= last:
+            h_tokens, h_position, slots, h_valid, has_history = head_rows(
+                state_indices, cu_seqlens, length, i_n, W, BW, USE_INDICES, IS_VARLEN
+            )
+            h_z = pre_activation(x, state, weight, h_tokens, h_position, slots, h_valid,
+                                 has_history, cols, mask_d, D, W, True)  # fmt: skip
+            _write_output(y, h_z, bias, h_tokens, h_valid, cols, mask_d, D, HAS_BIAS, SILU)
+            i_n += 1
+    if FINAL_STATE:
+        i_t, i_b = tl.program_id(0), tl.program_id(2)
+        if i_t == tl.cdiv(length, BT) - 1:  # the batch row's last token block
+            _write_final_state(x, state, state_indices, cu_seqlens, length, state_out, i_b,
+                               cols, D, W, BW, HAS_STATE, USE_INDICES, False)  # fmt: skip
+
+
+@triton.jit
+def _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n, cols,
+                       D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                       HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):  # fmt: skip
+    """Sequence i_n's final state for the channels ``cols``: its last W - 1 inputs, those
+    before its start taken from its initial state (zeros without one)."""
+    bos, span = sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
+    entries = tl.arange(0, BW)
+    source = span - (W - 1) + entries  # position of the input each entry keeps
+    mask = (cols < D)[:, None] & (entries < W - 1)[None, :]
+    slot = state_slot(state_indices, i_n, USE_INDICES)
+    if USE_INDICES:
+        mask = mask & (cols * 0 + slot >= 0)[:, None]
+    in_x = mask & (source >= 0)[None, :]
+    b_state = tl.load(x + (bos + source)[None, :] * D + cols[:, None], mask=in_x, other=0.0)
+    b_state = b_state.to(tl.float32)
+    state_offsets = (slot * D + cols[:, None]) * (W - 1)
+    if HAS_STATE:
+        in_state = mask & (source < 0)[None, :]
+        old = tl.load(
+            state_in + state_offsets + (W - 1 + source)[None, :], mask=in_state, other=0.0
+        )
+        b_state += old.to(tl.float32)
+    tl.store(state_out + state_offsets + entries[None, :],
+             b_state.to(state_out.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def conv_final_state_kernel(
+    x, state_in, state_indices, cu_seqlens, length, state_out,
+    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    i_n, i_d = tl.program_id(0), tl.program_id(1)
+    _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n,
+                       i_d * BD + tl.arange(0, BD), D, W, BW, HAS_STATE, USE_INDICES,
+                       IS_VARLEN)  # fmt: skip
+
+
+# Token rows of a program's tile (4 warps, 128 channels): 32, where 64 rows take more
+# registers and are slower (8 warps slower still; timings in benchmarks/README.md).
+PREFILL_ROWS = 32
+
+
+def launch_causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    state_in: Optional[Tensor],
+    state_out: Tensor,
+    state_indices: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    activation: str,
+) -> Tensor:
+    """Writes the final conv states into ``state_out`` (may be ``state_in``, the in-place
+    pool) and returns y ``[B, T, D]`` in x's dtype. The decode step (T = 1, no
+    ``cu_seqlens``) also takes states of S > W - 1 entries (the last S inputs, as
+    transformers and Mamba keep W); the prefill kernels take W - 1."""
+    x, weight = x.contiguous(), weight.contiguous()
+    if state_in is not None and not state_in.is_contiguous():
+        # The kernels index a dense [N, D, W - 1]; views such as FLA's cache[..., 1:] are not.
+        if state_in is not state_out:
+            state_in = state_in.contiguous()
+        else:
+            dense = state_in.contiguous()
+            y = launch_causal_conv1d(x, weight, bias, dense, dense, state_indices, cu_seqlens,
+                                     activation)  # fmt: skip
+            state_out.copy_(dense)
+            return y
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    y = torch.empty_like(x)
+    flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None)
+    if length == 1 and cu_seqlens is None:
+        flags.update(HAS_BIAS=bias is not None, SILU=activation == "silu")
+        launch_step(x, weight, bias, state_in, state_out, state_indices, y, flags)
+        return y
+    block_t, block_d = tile_sizes(PREFILL_ROWS, length, channels)
+    flags["IS_VARLEN"] = cu_seqlens is not None
+    grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
+    kept = next_power_of_2(width - 1)
+    # Rows of a batch end in their last token block, whose program can write the final
+    # state, unless the state is rewritten in place (other programs still read it) or
+    # packed sequences may be empty (no program holds them): then a second kernel.
+    fused = cu_seqlens is None and length > 0 and state_out is not state_in
+    causal_conv1d_kernel[grid](
+        x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y, state_out,
+        D=channels, W=width, BT=block_t, BD=block_d, BN=next_power_of_2(n_seqs), BW=kept,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", FINAL_STATE=fused, **flags,
+    )  # fmt: skip
+    if not fused:
+        conv_final_state_kernel[(n_seqs, cdiv(channels, block_d))](
+            x, state_in, state_indices, cu_seqlens, length, state_out,
+            D=channels, W=width, BD=block_d, BW=kept, **flags,
+        )  # fmt: skip
+    return y
