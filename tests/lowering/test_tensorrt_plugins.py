@@ -467,3 +467,35 @@ def test_converter_casts_a_half_model_to_the_declared_types(monkeypatch, op, mod
         assert all(a.dtype in (np.float32, np.int32) and a.shape == (1,) for a in attrs.values())
     want = ["FP32" if like is None else model for like in qdp.OP_OUTPUT_DTYPES[op]]
     assert [t.dtype for t in outputs] == want
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_torch_tensorrt_engine_gets_the_documented_dynamic_ranges(monkeypatch, step):
+    """The Torch-TensorRT build passes Inputs with batch 1..8 (and prefill T 1..64), the
+    ranges the example documents, not the example tensors (static B = 3, T = 5)."""
+    from examples import export_tensorrt
+    from examples.hybrid_model import HybridConfig, HybridLM
+    from lowering import export
+
+    calls = {}
+    fake = types.ModuleType("torch_tensorrt")
+    fake.Input = lambda **kwargs: kwargs
+    fake.dynamo = types.SimpleNamespace(
+        convert_exported_program_to_serialized_trt_engine=lambda *a, **k: calls.update(
+            args=a, kwargs=k) or b"engine")  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch_tensorrt", fake)
+    monkeypatch.setattr(qdp, "register_torch_tensorrt_converters", lambda: ())
+    monkeypatch.setattr(export, "export_step", lambda model, step: "program")
+    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    assert export_tensorrt.build_from_program(model, step, device="cpu") == b"engine"
+    assert calls["args"] == ("program",)
+    inputs = calls["kwargs"]["arg_inputs"]
+    examples = export.example_inputs(model, step)
+    assert len(inputs) == len(examples)
+    length = (1, 32, 64) if step == "prefill" else (1, 1, 1)
+    assert [inputs[0][k] for k in ("min_shape", "opt_shape", "max_shape")] == [
+        (1, length[0]), (4, length[1]), (8, length[2])]  # fmt: skip
+    for spec, example in zip(inputs[1:], examples[1:]):
+        rest = tuple(example.shape[1:])
+        assert (spec["min_shape"], spec["max_shape"]) == ((1, *rest), (8, *rest))
+        assert spec["dtype"] == example.dtype
