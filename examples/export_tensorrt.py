@@ -85,17 +85,31 @@ def _profile(shape: tuple[int, ...], step: str) -> tuple[tuple, ...]:
     return tuple(tuple(r[j] for r in ranges) for j in range(3))
 
 
-def build_from_program(model: HybridLM, step: str) -> bytes:
+def program_inputs(torch_tensorrt: object, model: HybridLM, step: str) -> list:
+    """``torch_tensorrt.Input`` s of the exported step with the ranges above (batch dim 0 of
+    every input, prefill's T dim 1 of ``input_ids``): example tensors would fix the engine
+    to their B = 3, T = 5."""
+    inputs = []
+    for index, x in enumerate(export.example_inputs(model, step)):
+        dynamic = {0, 1} if index == 0 and step == "prefill" else {0}
+        shape = tuple(-1 if d in dynamic else n for d, n in enumerate(x.shape))
+        low, opt, high = _profile(shape, step)
+        inputs.append(torch_tensorrt.Input(min_shape=low, opt_shape=opt, max_shape=high,
+                                           dtype=x.dtype))  # fmt: skip
+    return inputs
+
+
+def build_from_program(model: HybridLM, step: str, device: str = "cuda") -> bytes:
     """(a) Serialized engine from the exported program through Torch-TensorRT."""
     import torch_tensorrt
 
     from lowering.tensorrt_plugins import register_torch_tensorrt_converters
 
     register_torch_tensorrt_converters()
-    program = export.export_step(model.cuda(), step)
-    inputs = [x.cuda() for x in export.example_inputs(model, step)]
+    model = model.to(device)
+    program = export.export_step(model, step)
     return torch_tensorrt.dynamo.convert_exported_program_to_serialized_trt_engine(
-        program, arg_inputs=inputs, min_block_size=1
+        program, arg_inputs=program_inputs(torch_tensorrt, model, step), min_block_size=1
     )
 
 

@@ -262,8 +262,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,
-                STAGES=scan_stages(block_k, split_v, itemsize, itemsize, True,
-                                   SM90_SHARED_MEMORY))  # fmt: skip
+                STAGES=config.get("stages") or scan_stages(
+                    block_k, split_v, itemsize, itemsize, True, SM90_SHARED_MEMORY))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:
@@ -346,18 +346,42 @@ PLUGINS: dict[str, PluginKernel] = {
 }
 
 
+# TensorRT launches an AOT plugin's kernel with the dynamic shared memory it declares and
+# documents no opt-in past CUDA's default per-block limit, so the TensorRT path stays within.
+TENSORRT_SHARED_MEMORY = 48 * 1024
+
+
+def compile_for_tensorrt(plugin: PluginKernel, dtype: str, config: Mapping[str, object]):
+    """``plugin.compile`` within :data:`TENSORRT_SHARED_MEMORY`: a kernel with pipeline
+    stages (the chunk recurrence) drops stages until it fits; ``ValueError`` if it cannot."""
+    compiled = plugin.compile(dtype, config)
+    stages = plugin.constexprs({**config, "dtype": dtype}).get("STAGES")
+    while compiled.metadata.shared > TENSORRT_SHARED_MEMORY and stages and stages > 1:
+        stages -= 1
+        compiled = plugin.compile(dtype, {**config, "stages": stages})
+    if compiled.metadata.shared > TENSORRT_SHARED_MEMORY:
+        dims = {k: v for k, v in config.items() if k.startswith(("head", "value", "dim"))}
+        raise ValueError(
+            f"TensorRT plugin {plugin.name} ({dtype}, {dims}) needs {compiled.metadata.shared} "
+            f"bytes of shared memory; TensorRT's AOT plugins get {TENSORRT_SHARED_MEMORY} "
+            "(no opt-in is documented): use smaller head dims or the PyTorch/CUDA op"
+        )
+    return compiled
+
+
 def abi_report(config: Mapping[str, object], dtypes: tuple[str, ...]) -> dict[str, dict]:
-    """Compile every plugin kernel for each dtype; per ``"name/dtype"``: the PTX entry's
-    parameter types, the ABI TensorRT expects, the scratch sizes and the PTX target."""
+    """Compile every plugin kernel for each dtype as TensorRT's path does; per
+    ``"name/dtype"``: the PTX entry's parameter types, the ABI TensorRT expects, the
+    scratch sizes, the PTX target and the shared memory."""
     report = {}
     for name, plugin in sorted(PLUGINS.items()):
         for dtype in dtypes:
-            compiled = plugin.compile(dtype, config)
+            compiled = compile_for_tensorrt(plugin, dtype, config)
             ptx = compiled.asm["ptx"]
             report[f"{name}/{dtype}"] = dict(
                 params=ptx_params(ptx), expected=expected_abi(plugin),
                 global_scratch_size=compiled.metadata.global_scratch_size,
                 profile_scratch_size=compiled.metadata.profile_scratch_size,
-                sm_90=".target sm_90" in ptx,
+                sm_90=".target sm_90" in ptx, shared=compiled.metadata.shared,
             )  # fmt: skip
     return report

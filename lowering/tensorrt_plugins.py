@@ -32,7 +32,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
-from lowering.tensorrt import PLUGINS, PluginKernel, Shapes, chunk_count
+from lowering.tensorrt import PLUGINS, PluginKernel, Shapes, chunk_count, compile_for_tensorrt
 
 NAMESPACE = "kda"
 MODEL_DTYPES = ("FP16", "BF16", "FP32")  # TensorRT type names, in autotune order
@@ -174,6 +174,23 @@ def autotune_types(name: str) -> str:
     return ", ".join(fixed if f32 else model for f32 in io_float32(name))
 
 
+def combinations(name: str) -> list[tuple[str, ...]]:
+    """The type combinations :func:`autotune_types` declares (inputs then outputs), one per
+    model dtype: QDP pairs the ``|`` alternatives of every position index by index."""
+    positions = [t.split("|") for t in autotune_types(name).split(", ")]
+    return list(zip(*positions))
+
+
+def cast_plan(name: str, dtypes: Sequence[str]) -> list[str]:
+    """The type each input of plugin ``name`` must have (TensorRT type names) given those
+    of the tensors feeding it: FP32 at float32 positions, elsewhere the model dtype (the
+    first such input's). TensorRT 11 networks are strongly typed: only a declared
+    combination builds, so the converter casts where the two differ."""
+    fixed = io_float32(name)[: len(dtypes)]
+    model = next(d for d, f32 in zip(dtypes, fixed) if not f32)
+    return ["FP32" if f32 else model for f32 in fixed]
+
+
 def static_dims(shape: Sequence[Any]) -> tuple[Optional[int], ...]:
     """Constant dims of a shape of ints or ``ShapeExpr`` s; ``None`` for dynamic ones."""
     return tuple(d if isinstance(d, int) else (d.constant_value() if d.is_constant else None)
@@ -183,14 +200,32 @@ def static_dims(shape: Sequence[Any]) -> tuple[Optional[int], ...]:
 # ----------------------------------------------------------------- tensorrt.plugin
 
 
+def field_types() -> dict[type, Any]:
+    """QDP annotation of each attribute kind: one-element float32 / int32 arrays, the field
+    types TensorRT's ONNX parser passes; for ``float`` / ``int`` QDP's creator would call
+    ``float(field.data)`` on a 1-D array, a TypeError from NumPy 2.4 on."""
+    import numpy as np
+    import numpy.typing as npt
+
+    return {float: npt.NDArray[np.float32], int: npt.NDArray[np.int32]}
+
+
+def attribute_field(value: Any, kind: type) -> Any:
+    """An attribute value as the one-element array :func:`field_types` declares."""
+    import numpy as np
+
+    return np.array([attribute_value(value, kind)], dtype=np.float32 if kind is float else np.int32)
+
+
 def _signature(names: Sequence[str], attrs: Mapping[str, type], extra: Sequence[tuple]) -> Any:
     """An ``inspect.Signature``: one TensorDesc per input, then the attributes, then
     ``extra`` (name, annotation) parameters. QDP reads plugin schemas from signatures."""
     import tensorrt.plugin as trtp
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    fields = field_types()
     params = [inspect.Parameter(n, kind, annotation=trtp.TensorDesc) for n in names]
-    params += [inspect.Parameter(n, kind, annotation=t) for n, t in attrs.items()]
+    params += [inspect.Parameter(n, kind, annotation=fields[t]) for n, t in attrs.items()]
     params += [inspect.Parameter(n, kind, annotation=t) for n, t in extra]
     return params
 
@@ -207,11 +242,34 @@ def _bound(fn: Callable, name: str, params: list, returns: Any) -> Callable:
     return call
 
 
+def attribute_value(value: Any, kind: type) -> Any:
+    """A plugin attribute as ``kind`` (``float`` / ``int``) from a Python or NumPy scalar or
+    a one-element array of any numeric type: TensorRT's ONNX parser hands attributes over
+    as FLOAT32 / INT32 fields whatever the creator declares (QDP's are FLOAT64 / INT64)."""
+    import numpy as np
+
+    array = np.asarray(value)
+    if array.size != 1 or array.dtype.kind not in "biuf":
+        raise TypeError(f"a plugin attribute must be one number, got {value!r}")
+    scalar = array.reshape(()).item()
+    if kind is int and scalar != int(scalar):
+        raise TypeError(f"an int plugin attribute got {value!r}")
+    return kind(scalar)
+
+
+def parse_attributes(name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """Plugin ``name``'s attribute values (in declared order) by name, typed as declared."""
+    attributes = SPECS[name].attributes
+    if len(values) != len(attributes):
+        raise TypeError(f"{name} takes attributes {list(attributes)}, got {len(values)} values")
+    return {n: attribute_value(v, t) for (n, t), v in zip(attributes.items(), values)}
+
+
 def _split(name: str, args: Sequence[Any]) -> tuple[dict, dict]:
     """Positional QDP arguments -> ({input: TensorDesc}, {attribute: value})."""
     spec = SPECS[name]
     inputs = dict(zip(spec.kernel.inputs, args))
-    attrs = dict(zip(spec.attributes, args[len(inputs) :]))
+    attrs = parse_attributes(name, args[len(inputs) :])
     return inputs, attrs
 
 
@@ -220,7 +278,8 @@ def _describe(name: str, *args: Any, **kwargs: Any) -> tuple:
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    descs, _ = _split(name, args)
+    # QDP passes the attributes here by keyword (to aot_impl positionally): unused.
+    descs = dict(zip(SPECS[name].kernel.inputs, args))
     shapes = {n: d.shape_expr for n, d in descs.items()}
     outputs = []
     for out, shape in output_shapes(name, shapes).items():
@@ -250,7 +309,7 @@ def _compile_aot(name: str, *args: Any) -> tuple:
     ]
     static = {n: static_dims(s) for n, s in shapes.items()}
     config = kernel_config(name, static, attrs, dtype)
-    compiled = spec.kernel.compile(dtype, config)
+    compiled = compile_for_tensorrt(spec.kernel, dtype, config)
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y, params.grid_z = launch_grid(name, shapes, config)
     params.block_x = 32 * spec.kernel.warps(config)
@@ -387,9 +446,34 @@ OP_OUTPUTS = {
 }
 
 
+# The dtype of each op output (the ops' fakes): that of an op argument, or float32 (None).
+OP_OUTPUT_DTYPES = {
+    "recurrent": ("v", None), "chunk": ("v", None),
+    "causal_conv1d": ("x", "initial_state"), "gated_rms_norm": ("x",), "gate": (None,),
+}  # fmt: skip
+
+
+def _cast(ctx: Any, tensor: Any, dtype: str, name: str) -> Any:
+    """``tensor`` as TensorRT type ``dtype`` ("FP16", ...), through a cast layer if needed."""
+    import tensorrt as trt
+
+    types = {"FP16": trt.float16, "BF16": trt.bfloat16, "FP32": trt.float32}
+    if tensor.dtype == types[dtype]:
+        return tensor
+    layer = ctx.net.add_cast(tensor, types[dtype])
+    layer.name = name
+    return layer.get_output(0)
+
+
+def _type_name(tensor: Any) -> str:
+    import tensorrt as trt
+
+    return {trt.float16: "FP16", trt.bfloat16: "BF16", trt.float32: "FP32"}[tensor.dtype]
+
+
 def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: str) -> Any:
     """Torch-TensorRT converter body: add ``op``'s plugin chain (AOT plugins) to the
-    network."""
+    network, with casts to the declared input types and back to the op's output types."""
     import tensorrt.plugin as trtp
     from torch_tensorrt.dynamo.conversion.converter_utils import get_trt_tensor
 
@@ -397,14 +481,26 @@ def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: st
     if op == "causal_conv1d" and bound["bias"] is None:
         bound["bias"] = _zero_bias(ctx, bound["weight"], f"{name}_bias")
     values: dict[str, Any] = {}
+    arguments: dict[str, Any] = {}
     for plugin, sources, attrs in plugin_chain(op, bound):
-        inputs = [values[s] if "." in s else get_trt_tensor(ctx, bound[s], f"{name}_{s}")
-                  for s in sources.values()]  # fmt: skip
-        layer = ctx.net.add_plugin(getattr(trtp.op.kda, plugin)(*inputs, **attrs), aot=True)
+        for s in sources.values():
+            if "." not in s and s not in arguments:
+                arguments[s] = get_trt_tensor(ctx, bound[s], f"{name}_{s}")
+        inputs = [values[s] if "." in s else arguments[s] for s in sources.values()]
+        plan = cast_plan(plugin, [_type_name(t) for t in inputs])
+        inputs = [_cast(ctx, t, d, f"{name}_{plugin}_{n}_cast")
+                  for t, d, n in zip(inputs, plan, sources)]  # fmt: skip
+        kinds = SPECS[plugin].attributes
+        fields = {n: attribute_field(v, kinds[n]) for n, v in attrs.items()}
+        layer = ctx.net.add_plugin(getattr(trtp.op.kda, plugin)(*inputs, **fields), aot=True)
         layer.name = f"[{target}]-[{name}]-{plugin}"
         for index, output in enumerate(SPECS[plugin].outputs):
             values[f"{plugin}.{output}"] = layer.get_output(index)
-    outputs = tuple(values[s] for s in OP_OUTPUTS[op])
+    outputs = tuple(
+        _cast(ctx, values[s], "FP32" if like is None else _type_name(arguments[like]),
+              f"{name}_{s}_cast")
+        for s, like in zip(OP_OUTPUTS[op], OP_OUTPUT_DTYPES[op])
+    )  # fmt: skip
     return outputs[0] if len(outputs) == 1 else outputs
 
 

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ CONFIG = dict(heads=2, value_heads=2, head_k=16, head_v=16, lower_bound=-5.0, ch
               width=4, dim=16, eps=1e-6, activation="sigmoid")  # fmt: skip
 
 
-DTYPES = ("float16", "bfloat16")
+DTYPES = ("float16", "bfloat16", "float32")
 REPORT_SCRIPT = """
 import json, sys
 from lowering.tensorrt import abi_report
@@ -48,7 +49,39 @@ def test_plugin_kernel_ptx_has_tensorrt_aot_abi(abi, name, dtype):
     assert entry["sm_90"]
     assert entry["params"] == entry["expected"]  # inputs, int32s, outputs, 2 scratch
     assert ".f32" not in entry["params"] and ".f64" not in entry["params"]  # no floats
+    # Triton's two scratch pointers are in the entry (TensorRT passes nothing there, which
+    # the launch test's null pointers stand for); with scratch sizes 0 they are never read.
     assert entry["global_scratch_size"] == 0 and entry["profile_scratch_size"] == 0
+    # TensorRT documents no opt-in past CUDA's default 48 KB of dynamic shared memory.
+    assert entry["shared"] <= trt_kernels.TENSORRT_SHARED_MEMORY
+
+
+class _StagedKernel:
+    """A plugin kernel whose shared memory is ``per_stage`` bytes a pipeline stage."""
+
+    name = "chunk_recurrence"
+
+    def __init__(self, per_stage):
+        self.per_stage, self.compiled = per_stage, []
+
+    def constexprs(self, config):
+        return {"STAGES": config.get("stages") or 3}
+
+    def compile(self, dtype, config):
+        stages = self.constexprs(config)["STAGES"]
+        self.compiled.append(stages)
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=self.per_stage * stages))
+
+
+def test_tensorrt_compile_drops_pipeline_stages_to_fit_48_kb():
+    kernel = _StagedKernel(30 * 1024)
+    compiled = trt_kernels.compile_for_tensorrt(kernel, "float32", {"head_k": 16})
+    assert kernel.compiled == [3, 2, 1] and compiled.metadata.shared == 30 * 1024
+
+
+def test_tensorrt_compile_refuses_kernels_over_48_kb():
+    with pytest.raises(ValueError, match=r"shared memory.*49152"):
+        trt_kernels.compile_for_tensorrt(_StagedKernel(60 * 1024), "bfloat16", {"head_k": 128})
 
 
 def test_expected_abi_orders_inputs_ints_outputs():

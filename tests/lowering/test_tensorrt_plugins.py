@@ -15,6 +15,7 @@ import sys
 import types
 import typing
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,3 +352,150 @@ def test_decode_engine_builds_from_plugin_onnx(tmp_path):
     model = HybridLM(HybridConfig()).eval().requires_grad_(False)
     files = export_onnx.export_hybrid(model, tmp_path, modes=("plugin",))
     assert export_tensorrt.build_from_onnx(files["decode", "plugin"], "decode")
+
+
+@pytest.mark.parametrize("kind, value, want", [
+    (float, np.array([0.25], dtype=np.float32), 0.25),  # the ONNX parser's FLOAT32 field
+    (float, np.array([-5.0]), -5.0), (float, np.float32(1e-6), float(np.float32(1e-6))),
+    (int, np.array([1], dtype=np.int32), 1), (int, np.array([0], dtype=np.int64), 0),
+    (int, np.array([1.0], dtype=np.float32), 1), (float, 2, 2.0), (int, True, 1),
+])  # fmt: skip
+def test_attribute_values_accept_parser_field_types(kind, value, want):
+    got = qdp.attribute_value(value, kind)
+    assert got == want and type(got) is kind
+
+
+@pytest.mark.parametrize("value, kind", [(np.array([1.0, 2.0]), float), ("1", int),
+                                         (np.array([0.5]), int)])  # fmt: skip
+def test_attribute_values_reject_non_scalars(value, kind):
+    with pytest.raises(TypeError, match="attribute"):
+        qdp.attribute_value(value, kind)
+
+
+def test_attributes_parse_by_declared_order_from_fields():
+    fields = [np.array([v], dtype=np.float32 if isinstance(v, float) else np.int32)
+              for v in DELTA_ATTRS.values()]  # fmt: skip
+    assert qdp.parse_attributes("recurrent", fields) == pytest.approx(DELTA_ATTRS)
+    field = qdp.attribute_field(DELTA_ATTRS["scale"], float)
+    assert field.dtype == np.float32 and field.shape == (1,)
+    with pytest.raises(TypeError, match="takes attributes"):
+        qdp.parse_attributes("gate", fields)
+
+
+@pytest.mark.parametrize("name", sorted(qdp.SPECS))
+@pytest.mark.parametrize("model", qdp.MODEL_DTYPES)
+@pytest.mark.parametrize("fixed", qdp.MODEL_DTYPES)
+def test_cast_plan_feeds_a_declared_combination(name, model, fixed):
+    """Whatever the producers' types (model dtype ``model``, the float32 positions fed as
+    ``fixed``), the inputs after the converter's casts plus the outputs' types (register's
+    rule) are one of the combinations autotune declares."""
+    spec = qdp.SPECS[name]
+    fed = ["FP32" if f32 and fixed == "FP32" else (fixed if f32 else model)
+           for f32 in qdp.io_float32(name)[: len(spec.kernel.inputs)]]  # fmt: skip
+    plan = qdp.cast_plan(name, fed)
+    types = dict(zip(spec.kernel.inputs, plan))
+    outputs = ["FP32" if o.like is None else types[o.like] for o in spec.outputs.values()]
+    assert tuple(plan + outputs) in qdp.combinations(name)
+
+
+class FakeITensor:
+    def __init__(self, dtype, source):
+        self.dtype, self.source = dtype, source
+
+
+def _fake_tensorrt(monkeypatch, calls):
+    """Stand-ins for what the converter touches: TensorRT's dtypes, ``trtp.op.kda.<plugin>``
+    (records the types it is fed), ``get_trt_tensor`` and the network's cast / plugin
+    layers; the plugin layers' outputs take register's types."""
+    trt = types.ModuleType("tensorrt")
+    trt.float16, trt.bfloat16, trt.float32 = "FP16", "BF16", "FP32"  # _type_name's keys
+    trtp = types.ModuleType("tensorrt.plugin")
+    trt.plugin = trtp
+
+    def plugin_call(plugin):
+        def call(*inputs, **attrs):
+            spec = qdp.SPECS[plugin]
+            calls.append((plugin, [t.dtype for t in inputs], attrs))
+            fed = dict(zip(spec.kernel.inputs, inputs))
+            return ["FP32" if o.like is None else fed[o.like].dtype for o in spec.outputs.values()]
+
+        return call
+
+    trtp.op = types.SimpleNamespace(kda=types.SimpleNamespace(
+        **{n: plugin_call(n) for n in qdp.SPECS}))  # fmt: skip
+    utils = types.ModuleType("torch_tensorrt.dynamo.conversion.converter_utils")
+    utils.get_trt_tensor = lambda ctx, value, name: value
+
+    def layer(outs):
+        return types.SimpleNamespace(get_output=lambda i: FakeITensor(outs[i], "layer"))
+
+    net = types.SimpleNamespace(
+        add_cast=lambda t, dtype: (calls.append(("cast", t.dtype, dtype)), layer([dtype]))[1],
+        add_plugin=lambda outs, aot: layer(outs),
+    )
+    for module in ("torch_tensorrt", "torch_tensorrt.dynamo", "torch_tensorrt.dynamo.conversion"):
+        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))
+    monkeypatch.setitem(sys.modules, "torch_tensorrt.dynamo.conversion.converter_utils", utils)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    return types.SimpleNamespace(net=net)
+
+
+@pytest.mark.parametrize("op", sorted(qdp.OP_OUTPUTS))
+@pytest.mark.parametrize("model", ["FP16", "BF16"])
+def test_converter_casts_a_half_model_to_the_declared_types(monkeypatch, op, model):
+    """A ``.half()`` / ``.bfloat16()`` model: gate parameters and conv / delta states reach
+    the converter in the model dtype, which the plugins declare FP32 (strongly typed
+    networks build only declared combinations); the converter casts them, and casts
+    outputs back to the dtypes the op's fake gives."""
+    calls = []
+    ctx = _fake_tensorrt(monkeypatch, calls)
+    target = getattr(torch.ops.kda, op).default
+    names = [a.name for a in target._schema.arguments]
+    tensors = {n: FakeITensor(model, n) for n in names}
+    kwargs = {**tensors, **OP_CALLS[op], "bias": tensors.get("bias")}
+    kwargs = {k: v for k, v in kwargs.items() if k in names}
+    outputs = qdp._convert(op, ctx, target, (), kwargs, "node")
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    plugin_calls = [c for c in calls if c[0] != "cast"]
+    assert [c[0] for c in plugin_calls] == [p for p, _, _ in qdp.plugin_chain(op, kwargs)]
+    for plugin, fed, attrs in plugin_calls:
+        spec = qdp.SPECS[plugin]
+        fed_types = dict(zip(spec.kernel.inputs, fed))
+        out = ["FP32" if o.like is None else fed_types[o.like] for o in spec.outputs.values()]
+        assert tuple(fed + out) in qdp.combinations(plugin)
+        assert all(a.dtype in (np.float32, np.int32) and a.shape == (1,) for a in attrs.values())
+    want = ["FP32" if like is None else model for like in qdp.OP_OUTPUT_DTYPES[op]]
+    assert [t.dtype for t in outputs] == want
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_torch_tensorrt_engine_gets_the_documented_dynamic_ranges(monkeypatch, step):
+    """The Torch-TensorRT build passes Inputs with batch 1..8 (and prefill T 1..64), the
+    ranges the example documents, not the example tensors (static B = 3, T = 5)."""
+    from examples import export_tensorrt
+    from examples.hybrid_model import HybridConfig, HybridLM
+    from lowering import export
+
+    calls = {}
+    fake = types.ModuleType("torch_tensorrt")
+    fake.Input = lambda **kwargs: kwargs
+    fake.dynamo = types.SimpleNamespace(
+        convert_exported_program_to_serialized_trt_engine=lambda *a, **k: calls.update(
+            args=a, kwargs=k) or b"engine")  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch_tensorrt", fake)
+    monkeypatch.setattr(qdp, "register_torch_tensorrt_converters", lambda: ())
+    monkeypatch.setattr(export, "export_step", lambda model, step: "program")
+    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    assert export_tensorrt.build_from_program(model, step, device="cpu") == b"engine"
+    assert calls["args"] == ("program",)
+    inputs = calls["kwargs"]["arg_inputs"]
+    examples = export.example_inputs(model, step)
+    assert len(inputs) == len(examples)
+    length = (1, 32, 64) if step == "prefill" else (1, 1, 1)
+    assert [inputs[0][k] for k in ("min_shape", "opt_shape", "max_shape")] == [
+        (1, length[0]), (4, length[1]), (8, length[2])]  # fmt: skip
+    for spec, example in zip(inputs[1:], examples[1:]):
+        rest = tuple(example.shape[1:])
+        assert (spec["min_shape"], spec["max_shape"]) == ((1, *rest), (8, *rest))
+        assert spec["dtype"] == example.dtype
