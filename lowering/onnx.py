@@ -25,6 +25,7 @@ plugins take no ``cu_seqlens`` input.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Optional
 
@@ -608,9 +609,17 @@ def register_default_translations(mode: str = "portable") -> None:
     table = translation_table(mode)
     registry = _torchlib_registry._registry
     registry[:] = [meta for meta in registry if meta.fx_target not in table]
-    for target, function in table.items():
-        meta = _registration.OnnxDecompMeta(function, target, signature=None, is_custom=True)
-        registry.append(meta)
+    # The exporter cannot infer an ONNX signature from onnxscript-IR annotations and says
+    # so once per op; with no signature it dispatches every node of the op here, as meant.
+    logger = logging.getLogger(_registration.__name__)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        for target, function in table.items():
+            meta = _registration.OnnxDecompMeta(function, target, signature=None, is_custom=True)
+            registry.append(meta)
+    finally:
+        logger.setLevel(level)
 
 
 def export_onnx(
