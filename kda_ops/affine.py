@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops.delta_rule import _gate_args, _resolve_scale, chunk_op
+from kda_ops import arguments
+from kda_ops.delta_rule import chunk_op
 from kda_ops.validation import MAX_HEAD_DIM, check_delta_rule
 
 
@@ -67,13 +68,13 @@ def resolve_config(
         function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
     )  # fmt: skip
-    A_log, dt_bias, lower_bound = _gate_args(
+    A_log, dt_bias, lower_bound = arguments.gate_arguments(
         function, use_gate_in_kernel, A_log, dt_bias, lower_bound
     )
     return DeltaRuleConfig(
         A_log=A_log,
         dt_bias=dt_bias,
-        scale=_resolve_scale(scale, q.shape[-1]),
+        scale=arguments.resolve_scale(scale, q.shape[-1]),
         lower_bound=lower_bound,
         use_qk_l2norm=use_qk_l2norm_in_kernel,
         use_beta_sigmoid=use_beta_sigmoid_in_kernel,

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kda_ops import reference
 from kda_ops.validation import FLOAT_DTYPES, INDEX_DTYPES, ArgumentChecker
 
 # What FLA accepts; the kernels always run 64-token chunks, so only chunk states differ.
@@ -184,3 +185,39 @@ def no_context_parallel(check: ArgumentChecker, cp_context: object) -> None:
             "`cp_context` (FLA's context parallelism) is not supported: use "
             "kda_ops.distributed.chunk_kda_cp",
         )
+
+
+def resolve_scale(scale: Optional[float], head_k: int) -> float:
+    """FLA's default scale, 1 / sqrt(K), when none is given."""
+    return head_k**-0.5 if scale is None else float(scale)
+
+
+def gate_arguments(
+    function: str,
+    use_gate_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    safe_gate: bool = False,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[float]]:
+    """The gate tensors the op sees: none unless the gate is computed in the kernel
+    (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we, with a warning)."""
+    if not use_gate_in_kernel:
+        given = {"A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
+        ignored = ", ".join(f"`{name}`" for name, value in given.items() if value is not None)
+        if ignored and not torch.compiler.is_compiling():
+            warnings.warn(
+                f"{function}: {ignored} ignored without `use_gate_in_kernel=True` "
+                "(g is then the log-decay itself, as in FLA)",
+                stacklevel=3,
+            )
+        return None, None, None
+    if safe_gate and not (
+        lower_bound is not None and reference.SAFE_GATE_LOWER_BOUND <= lower_bound < 0
+    ):
+        ArgumentChecker(function).fail(
+            ValueError,
+            f"`safe_gate=True` needs `lower_bound` in [{reference.SAFE_GATE_LOWER_BOUND}, 0), "
+            f"got {lower_bound}",
+        )
+    return A_log, dt_bias, None if lower_bound is None else float(lower_bound)

@@ -23,7 +23,6 @@ Ops (schemas are inferred from the annotations below):
   backward: a second one fails autograd's in-place check instead of reading them.
 """
 
-import warnings
 from typing import Optional
 
 import torch
@@ -533,41 +532,6 @@ def _exporting() -> bool:
     return torch.compiler._is_exporting_flag
 
 
-def _resolve_scale(scale: Optional[float], head_k: int) -> float:
-    return head_k**-0.5 if scale is None else float(scale)
-
-
-def _gate_args(
-    function: str,
-    use_gate_in_kernel: bool,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    lower_bound: Optional[float],
-    safe_gate: bool = False,
-) -> tuple[Optional[Tensor], Optional[Tensor], Optional[float]]:
-    """The gate tensors the op sees: none unless the gate is computed in the kernel
-    (FLA ignores A_log / dt_bias / lower_bound otherwise, and so do we, with a warning)."""
-    if not use_gate_in_kernel:
-        given = {"A_log": A_log, "dt_bias": dt_bias, "lower_bound": lower_bound}
-        ignored = ", ".join(f"`{name}`" for name, value in given.items() if value is not None)
-        if ignored and not torch.compiler.is_compiling():
-            warnings.warn(
-                f"{function}: {ignored} ignored without `use_gate_in_kernel=True` "
-                "(g is then the log-decay itself, as in FLA)",
-                stacklevel=3,
-            )
-        return None, None, None
-    if safe_gate and not (
-        lower_bound is not None and reference.SAFE_GATE_LOWER_BOUND <= lower_bound < 0
-    ):
-        ArgumentChecker(function).fail(
-            ValueError,
-            f"`safe_gate=True` needs `lower_bound` in [{reference.SAFE_GATE_LOWER_BOUND}, 0), "
-            f"got {lower_bound}",
-        )
-    return A_log, dt_bias, None if lower_bound is None else float(lower_bound)
-
-
 def _fla_inputs(
     check: ArgumentChecker,
     q: Tensor,
@@ -703,10 +667,13 @@ def chunk_kda(
         "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
     )  # fmt: skip
-    gate = _gate_args("chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+    gate = arguments.gate_arguments(
+        "chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate
+    )
+    scale = arguments.resolve_scale(scale, q.shape[-1])
     args = (
         q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
+        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
     intermediate = _check_return_intermediate_states(return_intermediate_states, args[:8])
     if _trains(disable_recompute, intermediate, args[:8]):
@@ -819,10 +786,13 @@ def fused_recurrent_kda(
         lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
         initial_state=initial_state,
     )  # fmt: skip
-    gate = _gate_args("fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    gate = arguments.gate_arguments(
+        "fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound
+    )
+    scale = arguments.resolve_scale(scale, q.shape[-1])
     o, final_state = recurrent_op(
         q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
+        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
     final_state = arguments.caller_layout(final_state, v_first) if output_final_state else None
     return o.to(output_dtype), final_state
@@ -877,10 +847,11 @@ def fused_recurrent_kda_inplace(
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
-    gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    scale = arguments.resolve_scale(scale, q.shape[-1])
     o = recurrent_inplace_op(
         q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
+        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
     )  # fmt: skip
     return o.to(output_dtype)
 

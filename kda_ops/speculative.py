@@ -30,10 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops import kernels, reference
+from kda_ops import arguments, kernels, reference
 from kda_ops.delta_rule import (
-    _gate_args,
-    _resolve_scale,
     fused_recurrent_kda_inplace,
     gather_pool_states,
     scatter_pool_states,
@@ -157,10 +155,10 @@ def verify(
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=None,
     )  # fmt: skip
     ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v)
-    gate = _gate_args(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     return verify_op(
         q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices,
-        _resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
+        arguments.resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
 
