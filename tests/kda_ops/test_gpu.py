@@ -375,6 +375,28 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
             assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_gradient_checkpointing_gives_the_plain_gradients(disable_recompute, use_reentrant):
+    """torch.utils.checkpoint around chunk_kda on CUDA (the forward runs again in the
+    backward, and kda::chunk_backward_ overwrites what that second forward saved): the
+    gradients of the plain run, bit for bit (the same kernels on the same inputs)."""
+    x, kwargs = chunk_inputs(300, 4, -5.0)
+    state = torch.randn(1, 4, 128, 128, device="cuda")
+    grad_o, grad_state = torch.randn_like(x["v"]), torch.randn_like(state)
+    kwargs["disable_recompute"] = disable_recompute
+    expected = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
+
+    def layer(*tensors):
+        return kda_ops.chunk_kda(**dict(zip([*x, "initial_state"], tensors)), **kwargs)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (*x.values(), state)]
+    o, final = torch.utils.checkpoint.checkpoint(layer, *leaves, use_reentrant=use_reentrant)
+    torch.autograd.backward((o, final), (grad_o, grad_state))
+    for name, leaf in zip([*x, "initial_state"], leaves):
+        assert torch.equal(leaf.grad, expected[name]), name
+
+
 @pytest.mark.parametrize("disable_recompute", [False, True])
 def test_compiled_training_step_matches_eager(disable_recompute):
     """torch.compile(fullgraph=True) of forward, loss and backward through the Triton
