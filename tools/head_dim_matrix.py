@@ -4,10 +4,10 @@ process of its own, so that a fault in one cannot hide the others.
 A cell runs ``kda_ops.chunk_kda`` (l2norm, gate and beta sigmoid in the kernel, an initial
 state, GVA with HV = 2 H) forward, backward, and backward with ``disable_recompute=True``,
 and compares o, the final state and every gradient with the same call in float64 (the
-reference) by relative RMSE. It passes under 1e-3 for fp32, 1e-2 for o / state and 3e-2
-for gradients in bf16 / fp16. One JSON line per case goes to ``--json`` (with the time
-the kda-ops call took, compilation included); a cell that crashed or ran out of time is
-recorded with its exit code and the case it was in.
+reference) by FLA's relative error (``benchmarks/harness.py``). It passes under 1e-3 for
+fp32, 1e-2 for o / state and 3e-2 for gradients in bf16 / fp16. One JSON line per case
+goes to ``--json`` (with the time the kda-ops call took, compilation included); a cell
+that crashed or ran out of time is recorded with its exit code and the case it was in.
 
 Usage, from the repository root on a CUDA machine::
 
@@ -48,6 +48,9 @@ def run_cell(
 
     import kda_ops
 
+    sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' accuracy metric
+    from harness import relative_error
+
     torch.manual_seed(0)
     H, HV, T = 2, 4, 300
     B = 1 if varlen else 2
@@ -86,10 +89,6 @@ def run_cell(
             results += [x.grad for x in args.values()]
         return results
 
-    def relative_rmse(ref: torch.Tensor, x: torch.Tensor) -> float:
-        ref, x = ref.double(), x.double()
-        return ((ref - x).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
     for mode in modes:
         case = dict(K=K, V=V, dtype=dtype_name, varlen=varlen, gate=gate, mode=mode)
         print(json.dumps({"start": case}), flush=True)
@@ -102,7 +101,7 @@ def run_cell(
             case["seconds_kda"] = round(time.monotonic() - start, 1)
             ref = call(torch.float64, False, grad)
             names = ("o", "ht", *GRADIENTS)
-            case["error"] = {n: round(relative_rmse(r, x), 6) for n, r, x in zip(names, ref, got)}
+            case["error"] = {n: round(relative_error(x, r), 6) for n, r, x in zip(names, ref, got)}
             case["ok"] = all(e < tolerance(dtype_name, n) for n, e in case["error"].items())
         except Exception as exc:  # recorded, the next case still runs
             case["ok"] = False
