@@ -130,7 +130,7 @@ def recurrence_rows(long: dict, length: int, dim: int, fla_long: float,
     """Our chunk forward with its recurrence in S segments (S = 1: one serial scan; the
     rest: ``_segmented_recurrence``), kernel-level, on the long sequence."""
     args = kernel_args(long, dim)
-    planned = recurrence_segments(1, length, long["v"].shape[2], None, torch.device(DEVICE))
+    planned = recurrence_segments(1, length, *long["v"].shape[2:], None, torch.device(DEVICE))
     rows = []
     for segments in (1, 2, 4, 8, 16):
         ms = time_ms(lambda s=segments: launch_chunk_kda(*args, segments=s))

@@ -113,7 +113,8 @@ def scan_chunks(
     ``cu_seqlens`` (``sequence_chunk_offsets``). ``segments`` as in ``launch_chunk_kda``."""
     batch, length, value_heads = intermediates[1].shape[:3]
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, cu_seqlens, final_state.device)
+        segments = recurrence_segments(batch, length, value_heads, intermediates[1].shape[3],
+                                       cu_seqlens, final_state.device)  # fmt: skip
     if segments == 1:
         launch_recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
                           final_state, chunk_states, precision)  # fmt: skip

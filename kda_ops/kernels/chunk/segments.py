@@ -12,22 +12,37 @@ from torch import Tensor
 
 from kda_ops.kernels.chunk.device import CHUNK
 from kda_ops.kernels.chunk.recurrence import launch_recurrence
-from kda_ops.kernels.sizes import processors
+from kda_ops.kernels.sizes import cdiv, processors
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 
 MIN_SEGMENT_TOKENS = 8192
+NARROWEST_COLUMNS = 32  # scan_value_columns' narrowest split
 
 
 def recurrence_segments(
-    batch: int, length: int, value_heads: int, cu_seqlens: Optional[Tensor], device: torch.device
+    batch: int,
+    length: int,
+    value_heads: int,
+    head_v: int,
+    cu_seqlens: Optional[Tensor],
+    device: torch.device,
 ) -> int:
-    """Segments per sequence for the chunk recurrence: 1 (one serial scan per sequence)
-    unless the sequences are long and too few to fill the SMs, then the largest power of two
-    ``S`` with ``batch * value_heads * S`` at most the SM count and segments of at least
-    ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Fixed length on CUDA only."""
+    """Segments per sequence for the chunk recurrence (:func:`segment_count` on
+    ``device``'s SMs): fixed length on CUDA only, else 1."""
     if cu_seqlens is not None or device.type != "cuda":
         return 1
-    sms = processors(device)
+    return segment_count(batch, length, value_heads, head_v, processors(device))
+
+
+def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: int) -> int:
+    """1 (one serial scan per sequence) unless the sequences are long and too few to fill
+    the SMs even with their value columns split as narrowly as a scan splits them
+    (``NARROWEST_COLUMNS``); then the largest power of two ``S`` with
+    ``batch * value_heads * S`` at most the SM count and segments of at least
+    ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Where split value columns already fill the
+    SMs, segments would only add the maps pass."""
+    if batch * value_heads * cdiv(head_v, NARROWEST_COLUMNS) >= sms:
+        return 1
     segments = 1
     while (
         batch * value_heads * segments * 2 <= sms

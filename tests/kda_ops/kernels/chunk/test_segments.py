@@ -5,6 +5,7 @@ import torch
 
 from kda_ops import reference
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
+from kda_ops.kernels.chunk.segments import segment_count
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE
 
@@ -28,3 +29,18 @@ def test_segmented_recurrence(segments, initial_state):
     torch.testing.assert_close(o, o_plain)
     torch.testing.assert_close(final, final_plain)
     torch.testing.assert_close(states_segmented, states_plain)
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "value_heads", "expected"),
+    [
+        (1, 131072, 16, 8),  # 16 heads fill 64 SMs even split to 32 columns: segments pay
+        (1, 16384, 16, 2),  # segments of at least 8192 tokens
+        (1, 8192, 16, 1),
+        (1, 131072, 64, 1),  # 64 heads x 4 column blocks already fill 132 SMs
+        (2, 131072, 32, 1),
+    ],
+)
+def test_segment_count(batch, length, value_heads, expected):
+    """Segments only where split value columns leave SMs idle, on an H200's 132 SMs."""
+    assert segment_count(batch, length, value_heads, 128, 132) == expected
