@@ -39,7 +39,7 @@ from kda_ops.signature import (
     fake_kernel,
     group_arguments,
 )
-from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
 
 def _delta_rule_reference(
@@ -562,20 +562,16 @@ def chunk_kda(
     )  # fmt: skip
     if isinstance(q, Tensor) and chunk_compute_dtype(q) != q.dtype:
         q, k, v = q.float(), k.float(), v.float()
-    check_delta_rule(
-        "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    inputs, options = arguments.delta_rule_arguments(
+        "chunk_kda", q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, safe_gate=safe_gate,
     )  # fmt: skip
-    gate = arguments.gate_arguments(
-        "chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate
-    )
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    args = (
-        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
-    intermediate = _check_return_intermediate_states(return_intermediate_states, args[:8])
-    if _trains(disable_recompute, intermediate, args[:8]):
+    primals = (*inputs, initial_state)
+    args = (*inputs, initial_state, cu_seqlens, *options)
+    intermediate = _check_return_intermediate_states(return_intermediate_states, primals)
+    if _trains(disable_recompute, intermediate, primals):
         o, final_state, _ = chunk_train_op(*args, disable_recompute)
     elif not intermediate:
         o, final_state = chunk_op(*args)
@@ -680,19 +676,13 @@ def fused_recurrent_kda(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    check_delta_rule(
-        "fused_recurrent_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
-        initial_state=initial_state,
+    inputs, options = arguments.delta_rule_arguments(
+        "fused_recurrent_kda", q, k, v, g, beta, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    gate = arguments.gate_arguments(
-        "fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound
-    )
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    o, final_state = recurrent_op(
-        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
+    o, final_state = recurrent_op(*inputs, initial_state, cu_seqlens, *options)
     final_state = arguments.caller_layout(final_state, v_first) if output_final_state else None
     return o.to(output_dtype), final_state
 
@@ -741,17 +731,14 @@ def fused_recurrent_kda_inplace(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    n_seqs = check_delta_rule(
-        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
     )  # fmt: skip
+    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
-    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    o = recurrent_inplace_op(
-        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
+    o = recurrent_inplace_op(*inputs, state_pool, state_indices, cu_seqlens, *options)
     return o.to(output_dtype)
 
 

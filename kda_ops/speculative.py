@@ -44,7 +44,7 @@ from kda_ops.signature import (
     define_op,
     fake_kernel,
 )
-from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
 
 def verify_reference(
@@ -143,17 +143,14 @@ def verify(
         dtype: the state after each draft position, for :func:`commit`.
     """
     function = "kda_ops.speculative.verify"
-    n_seqs = check_delta_rule(
-        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=None,
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound,
     )  # fmt: skip
-    ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v)
-    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    return verify_op(
-        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices,
-        arguments.resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel,
-    )  # fmt: skip
+    ArgumentChecker(function).state_pool(state_pool, state_indices, q.shape[0], q, v)
+    return verify_op(*inputs, state_pool, state_indices, *options)
 
 
 def _check_accepted(check: ArgumentChecker, accepted_lengths: object, n_seqs: int) -> Tensor:
