@@ -30,55 +30,8 @@ from torch import Tensor
 
 from kda_ops import arguments
 from kda_ops.delta_rule import chunk_op
-from kda_ops.validation import MAX_HEAD_DIM, check_delta_rule
-
-
-@dataclass(frozen=True)
-class DeltaRuleConfig:
-    """The op arguments besides the token tensors, as ``kda::chunk`` takes them."""
-
-    A_log: Optional[Tensor]
-    dt_bias: Optional[Tensor]
-    scale: float
-    lower_bound: Optional[float]
-    use_qk_l2norm: bool
-    use_beta_sigmoid: bool
-
-
-def resolve_config(
-    function: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: Optional[float],
-    initial_state: Optional[Tensor],
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    lower_bound: Optional[float],
-    cu_seqlens: Optional[Tensor] = None,
-) -> DeltaRuleConfig:
-    """Check ``chunk_kda``-style arguments (errors name ``function``) and resolve them."""
-    check_delta_rule(
-        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
-    )  # fmt: skip
-    A_log, dt_bias, lower_bound = arguments.gate_arguments(
-        function, use_gate_in_kernel, A_log, dt_bias, lower_bound
-    )
-    return DeltaRuleConfig(
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=arguments.resolve_scale(scale, q.shape[-1]),
-        lower_bound=lower_bound,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        use_beta_sigmoid=use_beta_sigmoid_in_kernel,
-    )
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
+from kda_ops.validation import MAX_HEAD_DIM
 
 
 @dataclass
@@ -118,29 +71,26 @@ class AffineSegments:
 
 
 def segment_maps(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    config: DeltaRuleConfig,
+    inputs: DeltaRuleInputs,
+    options: DeltaRuleOptions,
     start: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     max_columns: int = MAX_HEAD_DIM,
 ) -> AffineSegments:
     """Each sequence of the batch as an affine map of its incoming state (one chunk run).
 
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta as for ``chunk_kda``. ``start``
-    ``[N, HV, K, V]`` (state dtype) is a state every segment starts from *before* the
-    incoming one is added (the sequence's own initial state); ``E`` and ``base_output``
-    include it. The ``V + K`` value columns run in blocks of at most ``max_columns`` (one
-    run when ``V + K <= 256``). Differentiable through the op's autograd.
+    ``inputs`` and ``options`` as ``kda::chunk`` takes them (q, k ``[B, T, H, K]``; v
+    ``[B, T, HV, V]``). ``start`` ``[N, HV, K, V]`` (state dtype) is a state every segment
+    starts from *before* the incoming one is added (the sequence's own initial state);
+    ``E`` and ``base_output`` include it. The ``V + K`` value columns run in blocks of at
+    most ``max_columns`` (one run when ``V + K <= 256``). Differentiable through the op's
+    autograd.
     """
+    q, v = inputs.q, inputs.v
     batch, length, value_heads, head_v = v.shape
     head_k = q.shape[-1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    eye = torch.eye(head_k, dtype=state_dtype, device=q.device)
+    eye = torch.eye(head_k, dtype=arguments.state_dtype(q), device=q.device)
     identity = eye.expand(n_seqs, value_heads, head_k, head_k)
     if start is None:
         start = identity.new_zeros(n_seqs, value_heads, head_k, head_v)
@@ -149,29 +99,13 @@ def segment_maps(
     # Value columns evolve independently: run them in blocks the kernels accept.
     blocks = _column_blocks(head_v + head_k, max_columns)
     runs = [
-        _chunk(q, k, values[..., b], g, beta, config, initial[..., b], cu_seqlens) for b in blocks
-    ]
+        chunk_op(*inputs._replace(v=values[..., b].contiguous()), initial[..., b].contiguous(),
+                 cu_seqlens, *options)
+        for b in blocks
+    ]  # fmt: skip
     o = torch.cat([run[0] for run in runs], dim=-1)
     final = torch.cat([run[1] for run in runs], dim=-1)
     return AffineSegments(base_output=o[..., :head_v], readout=o[..., head_v:], packed=final)
-
-
-def _chunk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    config: DeltaRuleConfig,
-    initial_state: Tensor,
-    cu_seqlens: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """``kda::chunk`` with a config: ``(o, final_state)``."""
-    return chunk_op(
-        q, k, v.contiguous(), g, beta, config.A_log, config.dt_bias, initial_state.contiguous(),
-        cu_seqlens, config.scale, config.lower_bound, config.use_qk_l2norm,
-        config.use_beta_sigmoid,
-    )  # fmt: skip
 
 
 def _column_blocks(columns: int, width: int) -> list[slice]:

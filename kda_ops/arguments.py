@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference
-from kda_ops.validation import FLOAT_DTYPES, INDEX_DTYPES, ArgumentChecker
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
+from kda_ops.validation import FLOAT_DTYPES, INDEX_DTYPES, ArgumentChecker, check_delta_rule
 
 # What FLA accepts; the kernels always run 64-token chunks, so only chunk states differ.
 KDA_CHUNK_SIZES = (32, 64)
@@ -209,7 +210,7 @@ def gate_arguments(
             warnings.warn(
                 f"{function}: {ignored} ignored without `use_gate_in_kernel=True` "
                 "(g is then the log-decay itself, as in FLA)",
-                stacklevel=3,
+                stacklevel=4,  # the caller of the public function
             )
         return None, None, None
     if safe_gate and not (
@@ -221,3 +222,41 @@ def gate_arguments(
             f"got {lower_bound}",
         )
     return A_log, dt_bias, None if lower_bound is None else float(lower_bound)
+
+
+def delta_rule_arguments(
+    function: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    initial_state: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    safe_gate: bool = False,
+) -> tuple[DeltaRuleInputs, DeltaRuleOptions]:
+    """Checks ``chunk_kda``-style arguments in their canonical forms (errors name
+    ``function``) and resolves them into what the delta-rule ops take: the gate tensors
+    only with ``use_gate_in_kernel`` (:func:`gate_arguments`), the default scale."""
+    check_delta_rule(
+        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    )  # fmt: skip
+    A_log, dt_bias, lower_bound = gate_arguments(
+        function, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate
+    )
+    options = DeltaRuleOptions(
+        scale=resolve_scale(scale, q.shape[-1]),
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid=use_beta_sigmoid_in_kernel,
+    )
+    return DeltaRuleInputs(q, k, v, g, beta, A_log, dt_bias), options

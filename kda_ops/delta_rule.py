@@ -1,6 +1,7 @@
 """KDA and Gated DeltaNet: the public functions and their ``torch.ops.kda`` ops.
 
-Ops (schemas are inferred from the annotations below):
+Ops (schemas are inferred from the reference kernels' annotations below, with
+``DeltaRuleInputs`` and ``DeltaRuleOptions`` spread into their fields: ``kda_ops.signature``):
 
 - ``kda::chunk`` / ``kda::recurrent``: functional, ``(o, final_state)``; chunkwise and
   token-recurrent kernels of the same math.
@@ -23,63 +24,55 @@ Ops (schemas are inferred from the annotations below):
   backward: a second one fails autograd's in-place check instead of reading them.
 """
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from kda_ops import arguments, kernels, reference
-from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+from kda_ops.signature import (
+    DeltaRuleInputs,
+    DeltaRuleOptions,
+    cuda_kernel,
+    define_op,
+    fake_kernel,
+    group_arguments,
+)
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
 
 def _delta_rule_reference(
     form: reference.DeltaRuleForm,
-) -> reference.DeltaRuleForm:
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The reference kernel of an op whose math is ``form``: ``(o, final_state)``."""
+
     def kernel(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        g: Tensor,
-        beta: Tensor,
-        A_log: Optional[Tensor],
-        dt_bias: Optional[Tensor],
+        inputs: DeltaRuleInputs,
         initial_state: Optional[Tensor],
         cu_seqlens: Optional[Tensor],
-        scale: float,
-        lower_bound: Optional[float],
-        use_qk_l2norm: bool,
-        use_beta_sigmoid: bool,
+        options: DeltaRuleOptions,
     ) -> tuple[Tensor, Tensor]:
-        return reference.delta_rule(
-            form, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-            scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-        )  # fmt: skip
+        return reference.delta_rule(form, *inputs, initial_state, cu_seqlens, *options)
 
     return kernel
 
 
 chunk_reference = _delta_rule_reference(reference.chunk_delta_rule)
 recurrent_reference = _delta_rule_reference(reference.recurrent_delta_rule)
-chunk_op = torch.library.custom_op("kda::chunk", mutates_args=())(chunk_reference)
-recurrent_op = torch.library.custom_op("kda::recurrent", mutates_args=())(recurrent_reference)
+chunk_op = define_op("kda::chunk", chunk_reference)
+recurrent_op = define_op("kda::recurrent", recurrent_reference)
 
 
+@fake_kernel(chunk_op, recurrent_op)
 def _delta_rule_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> tuple[Tensor, Tensor]:
-    torch._check(k.shape == q.shape)
+    q, v = inputs.q, inputs.v
+    torch._check(inputs.k.shape == q.shape)
     torch._check(v.shape[2] % q.shape[2] == 0)
     return v.new_empty(v.shape), q.new_empty(
         _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
@@ -93,61 +86,35 @@ def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[in
 
 
 def delta_rule_backward_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     grad_o: Tensor,
     grad_final_state: Tensor,
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for (q, k, v, g, beta, A_log, dt_bias, initial_state); an absent
     optional input gets an empty tensor."""
 
     def forward(*primals: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        return reference.delta_rule(
-            reference.chunk_delta_rule, *primals[:7], primals[7], cu_seqlens,
-            scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-        )  # fmt: skip
+        return reference.delta_rule(reference.chunk_delta_rule, *primals, cu_seqlens, *options)
 
-    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return reference.vjp(forward, primals, (grad_o, grad_final_state))
+    return reference.vjp(forward, (*inputs, initial_state), (grad_o, grad_final_state))
 
 
-delta_rule_backward_op = torch.library.custom_op("kda::delta_rule_backward", mutates_args=())(
-    delta_rule_backward_reference
-)
-
-
-def _gradients_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *_):
-    """The fake kernel of both backward ops: a gradient like each primal, empty for an
-    absent one."""
-    primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
-
-
-delta_rule_backward_op.register_fake(_gradients_fake)
-
-_PRIMALS = 9  # q ... cu_seqlens: the tensor inputs of the delta-rule ops
+delta_rule_backward_op = define_op("kda::delta_rule_backward", delta_rule_backward_reference)
 
 
 def _delta_rule_setup_context(ctx, inputs, output) -> None:
-    """For kda::chunk, kda::recurrent and kda::chunk_train (whose third output, what it
-    keeps for its backward, is saved after the primals)."""
+    """For kda::chunk, kda::recurrent and kda::chunk_train (whose keep_rows follows the
+    arguments of kda::chunk, and whose third output, what it keeps for its backward, is
+    saved after them)."""
+    tensors, initial_state, cu_seqlens, options, *keep_rows = group_arguments(chunk_op, inputs)
     kept = output[2] if len(output) == 3 else ()
-    ctx.save_for_backward(*inputs[:_PRIMALS], *kept)
-    # scale, lower_bound, use_qk_l2norm, use_beta_sigmoid (not chunk_train's keep_rows)
-    ctx.config = inputs[_PRIMALS : _PRIMALS + 4]
-    ctx.keeps_rows = len(inputs) > _PRIMALS + 4 and inputs[_PRIMALS + 4]
-    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(*tensors, initial_state, cu_seqlens, *kept)
+    ctx.options = options
+    ctx.keeps_rows = any(keep_rows)  # chunk_train's; the others have none
+    ctx.n_arguments = len(inputs)
     # No zero-filled gradients for unused outputs (chunk_train's kept ones are large).
     ctx.set_materialize_grads(False)
 
@@ -156,26 +123,26 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
                          *_grad_kept: Optional[Tensor]):  # fmt: skip
     # Read once: under torch.utils.checkpoint each read of saved_tensors unpacks (recomputes).
     saved = ctx.saved_tensors
-    primals, kept = saved[:_PRIMALS], list(saved[_PRIMALS:])
-    q, v, cu_seqlens = primals[0], primals[2], primals[-1]
+    n_inputs = len(DeltaRuleInputs._fields)
+    inputs = DeltaRuleInputs._make(saved[:n_inputs])
+    initial_state, cu_seqlens, *kept = saved[n_inputs:]
+    q, v = inputs.q, inputs.v
     if grad_o is None:  # an output the loss does not use: o is v-shaped, in v's dtype
         grad_o = torch.zeros_like(v)
     if grad_final_state is None:
         grad_final_state = q.new_zeros(
             _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
         )
+    cotangents = (grad_o, grad_final_state)
     if kept:
         backward = chunk_backward_scratch_op if ctx.keeps_rows else chunk_backward_op
-        grads = backward(*primals, grad_o, grad_final_state, kept, *ctx.config)
+        grads = backward(*inputs, initial_state, cu_seqlens, *cotangents, kept, *ctx.options)
     else:
-        grads = delta_rule_backward_op(*primals, grad_o, grad_final_state, *ctx.config)
+        grads = delta_rule_backward_op(*inputs, initial_state, cu_seqlens, *cotangents,
+                                       *ctx.options)  # fmt: skip
+    primals = (*inputs, initial_state)
     grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
-    return grads + (None,) * (ctx.n_inputs - len(grads))
-
-
-for _op in (chunk_op, recurrent_op):
-    _op.register_fake(_delta_rule_fake)
-    _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
+    return grads + (None,) * (ctx.n_arguments - len(grads))
 
 
 # The chunk kernels' tiles hold whole head dims; past this the CUDA ops run the reference.
@@ -193,55 +160,49 @@ def chunk_compute_dtype(q: Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float16 or wide_bf16 else q.dtype
 
 
-def _chunk_kernels_run(q: Tensor, v: Tensor) -> bool:
+def _chunk_kernels_run(inputs: DeltaRuleInputs) -> bool:
     """Whether the Triton chunk kernels serve these CUDA inputs: not float64 (the oracle's
     dtype), head dims the kernels' shared-memory budget holds, and not bf16 past
     ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns (``chunk_kda`` computes those in fp32;
     the ops called directly run the reference)."""
+    q, v = inputs.q, inputs.v
     if q.dtype == torch.float64 or max(q.shape[-1], v.shape[-1]) > CHUNK_KERNEL_MAX_HEAD_DIM:
         return False
     return q.dtype != torch.bfloat16 or q.shape[-1] <= BF16_CHUNK_KERNEL_MAX_KEY_DIM
 
 
-def _keeps_saved(q: Tensor, v: Tensor) -> bool:
+def _keeps_saved(inputs: DeltaRuleInputs) -> bool:
     """Whether ``kda::chunk_train`` returns the backward's saved tensors (the Triton path:
     CUDA, Triton installed, :func:`_chunk_kernels_run`)."""
-    return kernels.AVAILABLE and q.device.type == "cuda" and _chunk_kernels_run(q, v)
+    return kernels.AVAILABLE and inputs.q.device.type == "cuda" and _chunk_kernels_run(inputs)
+
+
+def recurrent_kernel_runs(inputs: DeltaRuleInputs) -> bool:
+    """Whether the Triton recurrent kernel serves these CUDA inputs: it computes in fp32,
+    so float64 (the oracle's dtype) runs the reference."""
+    return inputs.q.dtype != torch.float64
 
 
 def chunk_train_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     keep_rows: bool,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``kda::chunk`` with nothing saved (the reference differentiates its inputs)."""
-    o, final_state = chunk_reference(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
+    o, final_state = chunk_reference(inputs, initial_state, cu_seqlens, options)
     return o, final_state, []
 
 
-chunk_train_op = torch.library.custom_op("kda::chunk_train", mutates_args=())(chunk_train_reference)
+chunk_train_op = define_op("kda::chunk_train", chunk_train_reference)
 
 
-@chunk_train_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-      use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
-    o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(q, v) else []
+@fake_kernel(chunk_train_op)
+def _(inputs, initial_state, cu_seqlens, options, keep_rows):
+    o, final = _delta_rule_fake(inputs, initial_state, cu_seqlens, options)
+    q, v = inputs.q, inputs.v
+    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(inputs) else []
 
 
 def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool) -> list[Tensor]:
@@ -253,41 +214,38 @@ def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bo
 
 
 def chunk_backward_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     grad_o: Tensor,
     grad_final_state: Tensor,
     saved: list[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``kda::delta_rule_backward`` given ``kda::chunk_train``'s saved tensors (for
     ``kda::chunk_backward`` and ``kda::chunk_backward_``); off the Triton path it
     differentiates the reference and leaves them untouched."""
     return delta_rule_backward_reference(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
-        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
+        inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options
+    )
 
 
-chunk_backward_op = torch.library.custom_op("kda::chunk_backward", mutates_args=())(
-    chunk_backward_reference
+chunk_backward_op = define_op("kda::chunk_backward", chunk_backward_reference)
+chunk_backward_scratch_op = define_op(
+    "kda::chunk_backward_", chunk_backward_reference, mutates_args=("saved",)
 )
-chunk_backward_scratch_op = torch.library.custom_op(
-    "kda::chunk_backward_", mutates_args=("saved",)
-)(chunk_backward_reference)
-for _op in (chunk_backward_op, chunk_backward_scratch_op):
-    _op.register_fake(_gradients_fake)
-chunk_train_op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
+
+
+@fake_kernel(delta_rule_backward_op, chunk_backward_op, chunk_backward_scratch_op)
+def _gradients_fake(inputs, initial_state, *_):
+    """The fake kernel of the backward ops: a gradient like each primal, empty for an
+    absent one."""
+    primals = (*inputs, initial_state)
+    return tuple(inputs.q.new_empty(0) if p is None else p.new_empty(p.shape) for p in primals)
+
+
+for _op in (chunk_op, recurrent_op, chunk_train_op):
+    _op.register_autograd(_delta_rule_backward, setup_context=_delta_rule_setup_context)
 
 
 def _chunk_state_rows(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -297,19 +255,10 @@ def _chunk_state_rows(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
 
 
 def chunk_states_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``kda::chunk`` that also returns the state at the start of every 64-token chunk.
 
@@ -321,43 +270,30 @@ def chunk_states_reference(
     past ``chunk_offsets[N]`` are zero. Inference only: no autograd formula.
     """
     o, final, starts = reference.delta_rule(
-        reference.chunk_delta_rule_with_states, q, k, v, g, beta, A_log, dt_bias,
-        initial_state, cu_seqlens, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
-    chunk_states = final.new_zeros(_chunk_state_rows(q, cu_seqlens), *final.shape[1:])
+        reference.chunk_delta_rule_with_states, *inputs, initial_state, cu_seqlens, *options
+    )
+    chunk_states = final.new_zeros(_chunk_state_rows(inputs.q, cu_seqlens), *final.shape[1:])
     starts = starts.flatten(0, 1)
     chunk_states[: starts.shape[0]] = starts
     return o, final, chunk_states
 
 
-chunk_states_op = torch.library.custom_op("kda::chunk_states", mutates_args=())(
-    chunk_states_reference
-)
+chunk_states_op = define_op("kda::chunk_states", chunk_states_reference)
 
 
-@chunk_states_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-    o, final = _delta_rule_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-    return o, final, final.new_empty(_chunk_state_rows(q, cu_seqlens), *final.shape[1:])
+@fake_kernel(chunk_states_op)
+def _(inputs, initial_state, cu_seqlens, options):
+    o, final = _delta_rule_fake(inputs, initial_state, cu_seqlens, options)
+    rows = _chunk_state_rows(inputs.q, cu_seqlens)
+    return o, final, final.new_empty(rows, *final.shape[1:])
 
 
 def recurrent_inplace_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     state_pool: Tensor,
     state_indices: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> Tensor:
     """Recurrent step(s) on slots of ``state_pool`` ``[P, HV, K, V]``.
 
@@ -367,9 +303,8 @@ def recurrent_inplace_reference(
     """
     states = gather_pool_states(state_pool, state_indices)
     o, final = reference.delta_rule(
-        reference.recurrent_delta_rule, q, k, v, g, beta, A_log, dt_bias, states, cu_seqlens,
-        scale, lower_bound, use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
+        reference.recurrent_delta_rule, *inputs, states, cu_seqlens, *options
+    )
     scatter_pool_states(state_pool, state_indices, final)
     return o
 
@@ -396,15 +331,14 @@ def scatter_pool_states(
     state_pool[state_indices[valid]] = states[valid].to(state_pool.dtype)
 
 
-recurrent_inplace_op = torch.library.custom_op("kda::recurrent_", mutates_args=("state_pool",))(
-    recurrent_inplace_reference
+recurrent_inplace_op = define_op(
+    "kda::recurrent_", recurrent_inplace_reference, mutates_args=("state_pool",)
 )
 
 
-@recurrent_inplace_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, scale,
-      lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-    return v.new_empty(v.shape)
+@fake_kernel(recurrent_inplace_op)
+def _(inputs, state_pool, state_indices, cu_seqlens, options):
+    return inputs.v.new_empty(inputs.v.shape)
 
 
 if kernels.AVAILABLE:
@@ -416,86 +350,51 @@ if kernels.AVAILABLE:
     from kda_ops.kernels.chunk.launch import launch_chunk_kda
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
-    @chunk_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if not _chunk_kernels_run(q, v):
-            return chunk_reference(*args, *config)
-        return launch_chunk_kda(*args, *config)
+    @cuda_kernel(chunk_op, runs=_chunk_kernels_run)
+    def _(inputs, initial_state, cu_seqlens, options):
+        return launch_chunk_kda(*inputs, initial_state, cu_seqlens, *options)
 
-    @chunk_states_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if not _chunk_kernels_run(q, v):
-            return chunk_states_reference(*args, *config)
+    @cuda_kernel(chunk_states_op, runs=_chunk_kernels_run)
+    def _(inputs, initial_state, cu_seqlens, options):
+        q, v = inputs.q, inputs.v
         shape = (_chunk_state_rows(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
         # Packed sequences leave rows past the last chunk unwritten: zero them.
         alloc = torch.empty if cu_seqlens is None else torch.zeros
         chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
-        o, final = launch_chunk_kda(*args, *config, chunk_states=chunk_states)
+        o, final = launch_chunk_kda(*inputs, initial_state, cu_seqlens, *options,
+                                    chunk_states=chunk_states)  # fmt: skip
         return o, final, chunk_states
 
-    @delta_rule_backward_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o, grad_final_state,
-          scale, lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    @cuda_kernel(delta_rule_backward_op, runs=_chunk_kernels_run)
+    def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options):
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
-        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
-                grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-        if not _chunk_kernels_run(q, v):
-            return delta_rule_backward_reference(*args)
-        return launch_chunk_kda_backward(*args)
+        return launch_chunk_kda_backward(*inputs, initial_state, cu_seqlens, grad_o,
+                                         grad_final_state, *options)  # fmt: skip
 
-    @chunk_train_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid, keep_rows):  # fmt: skip
-        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if not _keeps_saved(q, v):
-            return chunk_train_reference(*args, *config, keep_rows)
-        o, final_state, saved = launch_chunk_kda_training(*args, *config, keep_rows=keep_rows)
+    @cuda_kernel(chunk_train_op, runs=_keeps_saved)
+    def _(inputs, initial_state, cu_seqlens, options, keep_rows):
+        o, final_state, saved = launch_chunk_kda_training(
+            *inputs, initial_state, cu_seqlens, *options, keep_rows=keep_rows
+        )
         return o, final_state, list(saved)
 
-    def _chunk_backward_cuda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                             grad_o, grad_final_state, saved, scale, lower_bound,
-                             use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    @cuda_kernel(chunk_backward_op, chunk_backward_scratch_op, runs=_keeps_saved)
+    def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, saved, options):
         # The launch overwrites saved exactly when it holds the rows (kda::chunk_backward_).
-        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, grad_o,
-                grad_final_state, scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-        if not _keeps_saved(q, v):
-            return delta_rule_backward_reference(*args)
-        return launch_chunk_kda_backward(*args, saved=saved)
+        return launch_chunk_kda_backward(*inputs, initial_state, cu_seqlens, grad_o,
+                                         grad_final_state, *options, saved=saved)  # fmt: skip
 
-    for _op in (chunk_backward_op, chunk_backward_scratch_op):
-        _op.register_kernel("cuda")(_chunk_backward_cuda)
-
-    @recurrent_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-        args = (q, k, v, g, beta, A_log, dt_bias)
-        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
-            return recurrent_reference(*args, initial_state, cu_seqlens, *config)
-        n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        state = q.new_empty(n_seqs, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-        o = launch_recurrent_kda(*args, initial_state, state, None, cu_seqlens, *config)
+    @cuda_kernel(recurrent_op, runs=recurrent_kernel_runs)
+    def _(inputs, initial_state, cu_seqlens, options):
+        q, v = inputs.q, inputs.v
+        state = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32)
+        o = launch_recurrent_kda(*inputs, initial_state, state, None, cu_seqlens, *options)
         return o, state
 
-    @recurrent_inplace_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, cu_seqlens, scale,
-          lower_bound, use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-        args = (q, k, v, g, beta, A_log, dt_bias)
-        config = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
-        if q.dtype == torch.float64:
-            return recurrent_inplace_reference(
-                *args, state_pool, state_indices, cu_seqlens, *config
-            )
-        return launch_recurrent_kda(
-            *args, state_pool, state_pool, state_indices, cu_seqlens, *config
-        )
+    @cuda_kernel(recurrent_inplace_op, runs=recurrent_kernel_runs)
+    def _(inputs, state_pool, state_indices, cu_seqlens, options):
+        return launch_recurrent_kda(*inputs, state_pool, state_pool, state_indices, cu_seqlens,
+                                    *options)  # fmt: skip
 
 
 def _differentiated(tensors: tuple[Optional[Tensor], ...]) -> bool:
@@ -663,20 +562,16 @@ def chunk_kda(
     )  # fmt: skip
     if isinstance(q, Tensor) and chunk_compute_dtype(q) != q.dtype:
         q, k, v = q.float(), k.float(), v.float()
-    check_delta_rule(
-        "chunk_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
+    inputs, options = arguments.delta_rule_arguments(
+        "chunk_kda", q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, safe_gate=safe_gate,
     )  # fmt: skip
-    gate = arguments.gate_arguments(
-        "chunk_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate
-    )
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    args = (
-        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
-    intermediate = _check_return_intermediate_states(return_intermediate_states, args[:8])
-    if _trains(disable_recompute, intermediate, args[:8]):
+    primals = (*inputs, initial_state)
+    args = (*inputs, initial_state, cu_seqlens, *options)
+    intermediate = _check_return_intermediate_states(return_intermediate_states, primals)
+    if _trains(disable_recompute, intermediate, primals):
         o, final_state, _ = chunk_train_op(*args, disable_recompute)
     elif not intermediate:
         o, final_state = chunk_op(*args)
@@ -781,19 +676,13 @@ def fused_recurrent_kda(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    check_delta_rule(
-        "fused_recurrent_kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
-        initial_state=initial_state,
+    inputs, options = arguments.delta_rule_arguments(
+        "fused_recurrent_kda", q, k, v, g, beta, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, initial_state=initial_state, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    gate = arguments.gate_arguments(
-        "fused_recurrent_kda", use_gate_in_kernel, A_log, dt_bias, lower_bound
-    )
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    o, final_state = recurrent_op(
-        q, k, v, g, beta, gate[0], gate[1], initial_state, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
+    o, final_state = recurrent_op(*inputs, initial_state, cu_seqlens, *options)
     final_state = arguments.caller_layout(final_state, v_first) if output_final_state else None
     return o.to(output_dtype), final_state
 
@@ -842,17 +731,14 @@ def fused_recurrent_kda_inplace(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    n_seqs = check_delta_rule(
-        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens,
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
     )  # fmt: skip
+    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
-    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    scale = arguments.resolve_scale(scale, q.shape[-1])
-    o = recurrent_inplace_op(
-        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices, cu_seqlens,
-        scale, gate[2], use_qk_l2norm_in_kernel, use_beta_sigmoid,
-    )  # fmt: skip
+    o = recurrent_inplace_op(*inputs, state_pool, state_indices, cu_seqlens, *options)
     return o.to(output_dtype)
 
 

@@ -50,15 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kda_ops.affine import (
-    AffineSegments,
-    apply_map,
-    prefix_adjoints,
-    prefix_states,
-    resolve_config,
-    segment_maps,
-)
+from kda_ops import arguments
+from kda_ops.affine import AffineSegments, apply_map, prefix_adjoints, prefix_states, segment_maps
 from kda_ops.conv import causal_conv1d
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from kda_ops.validation import ArgumentChecker
 
 Group = Optional[dist.ProcessGroup]
@@ -216,42 +211,39 @@ def chunk_kda_cp(
     indices ``shard_sequences(...).ending``.
     """
     function = "chunk_kda_cp"
-    options = dict(
-        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    # Fixed length: only rank 0 starts from initial_state. Varlen: every rank checks the
+    # global layout, cu_seqlens [N + 1] and initial_state [N, HV, K, V].
+    start = initial_state if cu_seqlens is not None or dist.get_rank(group) == 0 else None
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, initial_state=start, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     if cu_seqlens is None:
-        start = initial_state if dist.get_rank(group) == 0 else None
-        config = resolve_config(function, q, k, v, g, beta, initial_state=start, **options)
-        maps = segment_maps(q, k, v, g, beta, config, start=start)
+        maps = segment_maps(inputs, options, start=start)
         incoming = _IncomingState.apply(maps.packed, maps.head_v, group)
         o, final_state = maps.output(incoming), maps.end_state(incoming)
     else:
         o, final_state = _chunk_kda_cp_varlen(
-            function, (q, k, v, g, beta), initial_state, cu_seqlens, group, options
+            function, inputs, options, initial_state, cu_seqlens, group
         )
     return o, final_state if output_final_state else None
 
 
 def _chunk_kda_cp_varlen(
     function: str,
-    tensors: tuple[Tensor, ...],
+    inputs: DeltaRuleInputs,
+    options: DeltaRuleOptions,
     initial_state: Optional[Tensor],
     cu_seqlens: Tensor,
     group: Group,
-    options: dict[str, Any],
 ) -> tuple[Tensor, Tensor]:
     """Varlen :func:`chunk_kda_cp`: ``(o [1, T_r, HV, V], final states [n_r, HV, K, V])``."""
-    # the global layout: cu_seqlens [N + 1], initial_state [N, HV, K, V]
-    config = resolve_config(
-        function, *tensors, initial_state=initial_state, cu_seqlens=cu_seqlens, **options
-    )
-    shard = _shard(ArgumentChecker(function), cu_seqlens, tensors[0], group)
+    shard = _shard(ArgumentChecker(function), cu_seqlens, inputs.q, group)
     start = None if initial_state is None else _piece_starts(initial_state, shard)
     local_cu = _local_offsets(shard, cu_seqlens)
-    maps = segment_maps(*tensors, config, start=start, cu_seqlens=local_cu)
+    maps = segment_maps(inputs, options, start=start, cu_seqlens=local_cu)
     incoming = _IncomingState.apply(_outgoing_map(maps, shard), maps.head_v, group)
     o = maps.first_output(incoming, shard.cu_seqlens[1])
     first_end = apply_map(maps.packed[:1], incoming)

@@ -17,14 +17,17 @@ parallelism, not a measurement: ``benchmarks/cp.py`` measures them on a GPU.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from kda_ops.affine import DeltaRuleConfig, apply_map, prefix_states, resolve_config, segment_maps
+from kda_ops import arguments
+from kda_ops.affine import apply_map, prefix_states, segment_maps
 from kda_ops.delta_rule import chunk_op
 from kda_ops.kernels.sizes import processors
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from kda_ops.validation import ArgumentChecker
 
 MIN_SEGMENT_LENGTH = 4096
@@ -60,19 +63,15 @@ def _merge(x: Tensor, segments: int) -> Tensor:
 
 
 def segmented_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    config: DeltaRuleConfig,
+    inputs: DeltaRuleInputs,
+    options: DeltaRuleOptions,
     initial_state: Optional[Tensor],
     segments: int,
 ) -> tuple[Tensor, Tensor]:
     """Segmented chunk KDA on checked inputs (``T % segments == 0``); returns o
     ``[B, T, HV, V]`` and the final state ``[B, HV, K, V]``."""
-    batch, head_v = v.shape[0], v.shape[-1]
-    maps = segment_maps(*(_split(x, segments) for x in (q, k, v, g, beta)), config)
+    batch, head_v = inputs.v.shape[0], inputs.v.shape[-1]
+    maps = segment_maps(inputs.map_tokens(functools.partial(_split, segments=segments)), options)
     # [S, B, HV, K, V + K]: segment-major, so the prefix scan runs over the first dim.
     packed = maps.packed.unflatten(0, (batch, segments)).transpose(0, 1)
     if initial_state is not None:  # a state entering segment 0 is one more map in front
@@ -111,11 +110,11 @@ def chunk_kda_segmented(
     :func:`plan_segments`. With 1 segment this is exactly ``chunk_kda``'s op.
     """
     function = "chunk_kda_segmented"
-    config = resolve_config(
-        function, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound, initial_state=initial_state,
     )  # fmt: skip
     batch, length, value_heads = v.shape[:3]
     if num_segments is None:
@@ -126,10 +125,7 @@ def chunk_kda_segmented(
             f"{num_segments!r}",
         )  # fmt: skip
     if num_segments == 1:
-        o, final_state = chunk_op(
-            q, k, v, g, beta, config.A_log, config.dt_bias, initial_state, None, config.scale,
-            config.lower_bound, config.use_qk_l2norm, config.use_beta_sigmoid,
-        )  # fmt: skip
+        o, final_state = chunk_op(*inputs, initial_state, None, *options)
     else:
-        o, final_state = segmented_delta_rule(q, k, v, g, beta, config, initial_state, num_segments)
+        o, final_state = segmented_delta_rule(inputs, options, initial_state, num_segments)
     return o, final_state if output_final_state else None

@@ -34,71 +34,64 @@ from kda_ops import arguments, kernels, reference
 from kda_ops.delta_rule import (
     fused_recurrent_kda_inplace,
     gather_pool_states,
+    recurrent_kernel_runs,
     scatter_pool_states,
 )
-from kda_ops.validation import INDEX_DTYPES, ArgumentChecker, check_delta_rule
+from kda_ops.signature import (
+    DeltaRuleInputs,
+    DeltaRuleOptions,
+    cuda_kernel,
+    define_op,
+    fake_kernel,
+)
+from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
 
 def verify_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     state_pool: Tensor,
     state_indices: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
 ) -> tuple[Tensor, Tensor]:
     """kda::verify on CPU, and for float64 on CUDA: the recurrence one token at a time from
     the pool states."""
     state = gather_pool_states(state_pool, state_indices)
     outputs, states = [], []
-    for t in range(q.shape[1]):
-        step = (x[:, t : t + 1] for x in (q, k, v, g, beta))
+    for t in range(inputs.q.shape[1]):
+        step = inputs.map_tokens(lambda x, t=t: x[:, t : t + 1])
         o, state = reference.delta_rule(
-            reference.recurrent_delta_rule, *step, A_log, dt_bias, state, None, scale,
-            lower_bound, use_qk_l2norm, use_beta_sigmoid,
-        )  # fmt: skip
+            reference.recurrent_delta_rule, *step, state, None, *options
+        )
         outputs.append(o)
         states.append(state.to(state_pool.dtype))
     return torch.cat(outputs, dim=1), torch.stack(states, dim=1)
 
 
-verify_op = torch.library.custom_op("kda::verify", mutates_args=())(verify_reference)
+verify_op = define_op("kda::verify", verify_reference)
+
+
+def _step_states_like(inputs: DeltaRuleInputs, state_pool: Tensor) -> Tensor:
+    """``[N, T, HV, K, V]`` in the pool's dtype: the state after every draft token."""
+    batch, length, value_heads, head_v = inputs.v.shape
+    return state_pool.new_empty(batch, length, value_heads, inputs.q.shape[3], head_v)
+
+
+@fake_kernel(verify_op)
+def _(inputs, state_pool, state_indices, options):
+    return inputs.v.new_empty(inputs.v.shape), _step_states_like(inputs, state_pool)
 
 
 if kernels.AVAILABLE:
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
-    @verify_op.register_kernel("cuda")
-    def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
-          use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    @cuda_kernel(verify_op, runs=recurrent_kernel_runs)
+    def _(inputs, state_pool, state_indices, options):
         """One launch of the recurrent kernel: reads the pool slots, writes the state
         after every draft token (and no final state)."""
-        args = (q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale,
-                lower_bound, use_qk_l2norm, use_beta_sigmoid)  # fmt: skip
-        if q.dtype == torch.float64:  # the kernels compute in fp32; fp64 is the oracle's
-            return verify_reference(*args)
-        batch, length, value_heads, head_v = v.shape
-        states = state_pool.new_empty(batch, length, value_heads, q.shape[3], head_v)
-        o = launch_recurrent_kda(
-            q, k, v, g, beta, A_log, dt_bias, state_pool, None, state_indices, None, scale,
-            lower_bound, use_qk_l2norm, use_beta_sigmoid, step_states=states,
-        )  # fmt: skip
+        states = _step_states_like(inputs, state_pool)
+        o = launch_recurrent_kda(*inputs, state_pool, None, state_indices, None, *options,
+                                 step_states=states)  # fmt: skip
         return o, states
-
-
-@verify_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, scale, lower_bound,
-      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
-    batch, length, value_heads, head_v = v.shape
-    states = state_pool.new_empty(batch, length, value_heads, q.shape[3], head_v)
-    return v.new_empty(v.shape), states
 
 
 @torch.library.custom_op("kda::commit_", mutates_args=("state_pool",))
@@ -150,17 +143,14 @@ def verify(
         dtype: the state after each draft position, for :func:`commit`.
     """
     function = "kda_ops.speculative.verify"
-    n_seqs = check_delta_rule(
-        function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=None,
+    inputs, options = arguments.delta_rule_arguments(
+        function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound,
     )  # fmt: skip
-    ArgumentChecker(function).state_pool(state_pool, state_indices, n_seqs, q, v)
-    gate = arguments.gate_arguments(function, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    return verify_op(
-        q, k, v, g, beta, gate[0], gate[1], state_pool, state_indices,
-        arguments.resolve_scale(scale, q.shape[-1]), gate[2], use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel,
-    )  # fmt: skip
+    ArgumentChecker(function).state_pool(state_pool, state_indices, q.shape[0], q, v)
+    return verify_op(*inputs, state_pool, state_indices, *options)
 
 
 def _check_accepted(check: ArgumentChecker, accepted_lengths: object, n_seqs: int) -> Tensor:

@@ -30,16 +30,6 @@ import kda_ops
 from kda_ops.integrations._patch import Patch
 
 
-def _state_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _initial_state(state: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
-    """transformers' reference casts the cached state to the compute dtype (``.to(value)``);
-    our ops take it float32 (float64 for float64 inputs)."""
-    return None if state is None else state.to(_state_dtype(q))
-
-
 def chunk_delta_rule(
     query: Tensor,
     key: Tensor,
@@ -58,17 +48,16 @@ def chunk_delta_rule(
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g log-decay ``[B, T, HV, K]`` (KDA)
     or ``[B, T, HV]`` (GDN); beta ``[B, T, HV]`` after sigmoid; initial_state
-    ``[N, HV, K, V]``. ``chunk_size`` is accepted for signature compatibility (the result
-    does not depend on it); other keyword arguments (the model's attention kwargs) are
-    ignored, as transformers' own kernel wrapper does.
+    ``[N, HV, K, V]`` in any float dtype (the cache's; ``chunk_kda`` computes it in float32,
+    where transformers' reference casts it to v's dtype). ``chunk_size`` is accepted for
+    signature compatibility (the result does not depend on it); other keyword arguments
+    (the model's attention kwargs) are ignored, as transformers' own kernel wrapper does.
 
     Returns o ``[B, T, HV, V]`` in v's dtype and the float32 final state or ``None``.
     """
     return kda_ops.chunk_kda(
-        query, key, value, g, beta,
-        initial_state=_initial_state(initial_state, query),
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        query, key, value, g, beta, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
 
@@ -88,10 +77,8 @@ def recurrent_delta_rule(
     """transformers' ``recurrent_kimi_delta_attention`` / ``torch_recurrent_gated_delta_rule``
     on ``kda::recurrent``; same shapes and results as :func:`chunk_delta_rule`."""
     return kda_ops.fused_recurrent_kda(
-        query, key, value, g, beta,
-        initial_state=_initial_state(initial_state, query),
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        query, key, value, g, beta, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import kda_ops
-from kda_ops.affine import prefix_adjoints, prefix_states, resolve_config, segment_maps
+from kda_ops.affine import prefix_adjoints, prefix_states, segment_maps
+from kda_ops.arguments import delta_rule_arguments
 from kda_ops.segmented import chunk_kda_segmented, plan_segments
 from tests.kda_ops.inputs import delta_rule_inputs
 
@@ -65,14 +66,14 @@ def test_segmented_gradients_equal_chunk(scalar_gate):
 
 def test_segment_maps_compose_and_plain_sum_is_wrong():
     x = delta_rule_inputs(length=40, value_heads=2)
-    config = resolve_config(
+    inputs, options = delta_rule_arguments(
         "test", x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=None,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
     )  # fmt: skip
     _, whole = kda_ops.chunk_kda(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
     halves = [
-        segment_maps(*(t[:, sl] for t in (x.q, x.k, x.v, x.g, x.beta)), config)
+        segment_maps(inputs.map_tokens(lambda t, sl=sl: t[:, sl]), options)
         for sl in (slice(0, 25), slice(25, 40))
     ]
     packed = torch.stack([h.packed for h in halves])
@@ -84,14 +85,13 @@ def test_segment_maps_compose_and_plain_sum_is_wrong():
 
 def test_segment_maps_in_column_blocks_equal_one_run():
     x = delta_rule_inputs(batch=2, length=20, value_heads=2, requires_grad=True)
-    config = resolve_config(
+    inputs, options = delta_rule_arguments(
         "test", x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=None,
         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
     )  # fmt: skip
-    tensors = (x.q, x.k, x.v, x.g, x.beta)
-    whole = segment_maps(*tensors, config, start=x.initial_state)
-    blocks = segment_maps(*tensors, config, start=x.initial_state, max_columns=5)
+    whole = segment_maps(inputs, options, start=x.initial_state)
+    blocks = segment_maps(inputs, options, start=x.initial_state, max_columns=5)
     for name in ("base_output", "readout", "packed"):
         torch.testing.assert_close(getattr(blocks, name), getattr(whole, name))
     (grad_whole,) = torch.autograd.grad(whole.packed.sum(), x.k)

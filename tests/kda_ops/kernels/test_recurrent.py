@@ -5,6 +5,7 @@ import torch
 
 from kda_ops import reference
 from kda_ops.kernels.recurrent import launch_recurrent_kda
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from kda_ops.speculative import verify_reference
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
@@ -99,8 +100,10 @@ def test_step_states_for_speculative_verify(scalar_gate):
         x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, None, indices, None,
         0.3, -5.0, True, True, step_states=steps,
     )  # fmt: skip
-    o_ref, steps_ref = verify_reference(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool,
-                                        indices, 0.3, -5.0, True, True)  # fmt: skip
+    inputs = DeltaRuleInputs(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias)
+    options = DeltaRuleOptions(scale=0.3, lower_bound=-5.0, use_qk_l2norm=True,
+                               use_beta_sigmoid=True)  # fmt: skip
+    o_ref, steps_ref = verify_reference(inputs, pool, indices, options)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(steps, steps_ref)
     assert torch.equal(pool, before)
