@@ -431,32 +431,6 @@ def test_scans_run_ahead_where_they_fit():
                       "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "block_k, block_v, heads, itemsize, store_output, pipelined, expected",
-    [
-        (128, 128, 64, 2, True, True, (64, 3)),  # one wave at 64 columns
-        (128, 128, 96, 2, True, True, (64, 3)),
-        (128, 128, 16, 2, True, True, (32, 3)),  # idle SMs: the narrowest blocks
-        (128, 128, 96, 4, True, True, (128, 2)),  # fp32: no third stage at 64
-        (128, 128, 96, 4, True, False, (128, 1)),  # the backward's fp32 dS scan
-        (64, 64, 96, 2, True, True, (64, 3)),
-        (128, 256, 96, 2, False, True, (64, 3)),  # the maps pass (V + K columns)
-        (16, 16, 4, 2, True, True, (16, 3)),
-        (256, 256, 96, 2, True, True, (64, 1)),  # past 128 key columns
-        (256, 256, 16, 2, True, True, (32, 1)),
-        (256, 16, 96, 2, True, True, (16, 2)),
-        (256, 256, 96, 4, True, True, (32, 1)),
-        (256, 512, 96, 2, False, True, (64, 2)),
-    ],
-)
-def test_scan_config(block_k, block_v, heads, itemsize, store_output, pipelined, expected):
-    """Up to 128 columns the scans launch as tuned on the H200; past them within its
-    shared memory and registers."""
-    got = scan_config(block_k, block_v, heads, SMS, itemsize, itemsize, store_output,
-                      SM90_SHARED_MEMORY, pipelined)  # fmt: skip
-    assert got == expected
-
-
 def test_launches_up_to_128_columns_as_tuned():
     """The warps and steps of the K, V <= 128 launches, as measured on the H200."""
     for block in (16, 32, 64, 128):
