@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional, TypeVar
@@ -71,8 +72,14 @@ class DeltaRuleOptions:
 
     def __iter__(self) -> Iterator[object]:
         """The values in schema order: ``*options`` fills the trailing arguments of an op
-        or a Triton launcher."""
-        return (getattr(self, field.name) for field in dataclasses.fields(self))
+        or a Triton launcher (on every eager call: one getter built once, not a walk over
+        the dataclass fields)."""
+        return iter(_option_values(self))
+
+
+_option_values = operator.attrgetter(
+    *(field.name for field in dataclasses.fields(DeltaRuleOptions))
+)
 
 
 # The parameter types a kernel takes grouped; the schema takes their fields one by one.
