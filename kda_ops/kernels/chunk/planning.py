@@ -118,6 +118,10 @@ def scan_warps(block_k: int) -> int:
     return 4 if block_k <= 128 else 8
 
 
+# The value-column widths a scan program may take below the whole head, narrowest first.
+SCAN_COLUMN_SPLITS = (32, 64)
+
+
 def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
                        three_stages_at_64: bool, widest: int = 128) -> int:  # fmt: skip
     """Value columns per program of a head-parallel scan over the chunks (this forward's
@@ -132,7 +136,7 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
     interpreter) 32, so that CI covers several value blocks."""
     if sm_count is None:
         return min(block_v, 32)
-    for columns in (32, 64):
+    for columns in SCAN_COLUMN_SPLITS:
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
     return min(block_v, 64 if three_stages_at_64 else 128, widest)

@@ -11,12 +11,12 @@ import torch
 from torch import Tensor
 
 from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk.planning import SCAN_COLUMN_SPLITS
 from kda_ops.kernels.chunk.recurrence import launch_recurrence
 from kda_ops.kernels.sizes import cdiv, processors
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 
 MIN_SEGMENT_TOKENS = 8192
-NARROWEST_COLUMNS = 32  # scan_value_columns' narrowest split
 
 
 def recurrence_segments(
@@ -37,11 +37,11 @@ def recurrence_segments(
 def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: int) -> int:
     """1 (one serial scan per sequence) unless the sequences are long and too few to fill
     the SMs even with their value columns split as narrowly as a scan splits them
-    (``NARROWEST_COLUMNS``); then the largest power of two ``S`` with
+    (``SCAN_COLUMN_SPLITS[0]``); then the largest power of two ``S`` with
     ``batch * value_heads * S`` at most the SM count and segments of at least
     ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Where split value columns already fill the
     SMs, segments would only add the maps pass."""
-    if batch * value_heads * cdiv(head_v, NARROWEST_COLUMNS) >= sms:
+    if batch * value_heads * cdiv(head_v, SCAN_COLUMN_SPLITS[0]) >= sms:
         return 1
     segments = 1
     while (
