@@ -736,7 +736,7 @@ def fused_recurrent_kda_inplace(
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n_seqs = _state_shape(q, v, cu_seqlens)[0]
     check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
     o = recurrent_inplace_op(*inputs, state_pool, state_indices, cu_seqlens, *options)
     return o.to(output_dtype)
