@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import operator
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional, TypeVar
@@ -72,14 +71,13 @@ class DeltaRuleOptions:
 
     def __iter__(self) -> Iterator[object]:
         """The values in schema order: ``*options`` fills the trailing arguments of an op
-        or a Triton launcher (on every eager call: one getter built once, not a walk over
-        the dataclass fields)."""
-        return iter(_option_values(self))
+        or a Triton launcher. The names are read once, not through ``dataclasses.fields``
+        on every eager call; a plain loop over them, which Dynamo traces (it cannot trace
+        an ``operator.attrgetter``)."""
+        return (getattr(self, name) for name in _OPTION_NAMES)
 
 
-_option_values = operator.attrgetter(
-    *(field.name for field in dataclasses.fields(DeltaRuleOptions))
-)
+_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(DeltaRuleOptions))
 
 
 # The parameter types a kernel takes grouped; the schema takes their fields one by one.
