@@ -13,11 +13,10 @@ register the other kernels of ops that share a signature, grouped the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
@@ -51,15 +50,17 @@ class DeltaRuleInputs(NamedTuple):
         return DeltaRuleInputs(*(fn(x) for x in self[:5]), self.A_log, self.dt_bias)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeltaRuleOptions:
-    """The delta-rule ops' scalar arguments, last in every schema, in this order.
+class DeltaRuleOptions(NamedTuple):
+    """The delta-rule ops' scalar arguments, last in every schema, in this order:
+    ``*options`` fills the trailing arguments of an op or a Triton launcher.
 
     scale: the query scale (``K ** -0.5`` when the caller gave none).
     lower_bound: the safe gate's negative bound (with A_log); ``None``: the softplus gate.
     use_qk_l2norm: q and k are divided by their norms first.
     use_beta_sigmoid: beta is a pre-activation (the ops apply the sigmoid).
 
+    A tuple, not a dataclass: Dynamo unpacks a named tuple on every torch this package
+    supports, a user-defined ``__iter__`` not (torch 2.11 cannot trace ``*options`` then).
     A_log and dt_bias are no options but tensor inputs of the ops (:class:`DeltaRuleInputs`):
     they have gradients, so autograd must save them and export must trace them.
     """
@@ -68,16 +69,6 @@ class DeltaRuleOptions:
     lower_bound: Optional[float]
     use_qk_l2norm: bool
     use_beta_sigmoid: bool
-
-    def __iter__(self) -> Iterator[object]:
-        """The values in schema order: ``*options`` fills the trailing arguments of an op
-        or a Triton launcher. The names are read once, not through ``dataclasses.fields``
-        on every eager call; a plain loop over them, which Dynamo traces (it cannot trace
-        an ``operator.attrgetter``)."""
-        return (getattr(self, name) for name in _OPTION_NAMES)
-
-
-_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(DeltaRuleOptions))
 
 
 # The parameter types a kernel takes grouped; the schema takes their fields one by one.
