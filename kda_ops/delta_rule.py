@@ -42,7 +42,7 @@ from kda_ops.signature import (
 from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
 
-def _delta_rule_reference(
+def delta_rule_reference(
     form: reference.DeltaRuleForm,
 ) -> Callable[..., tuple[Tensor, Tensor]]:
     """The reference kernel of an op whose math is ``form``: ``(o, final_state)``."""
@@ -58,8 +58,8 @@ def _delta_rule_reference(
     return kernel
 
 
-chunk_reference = _delta_rule_reference(reference.chunk_delta_rule)
-recurrent_reference = _delta_rule_reference(reference.recurrent_delta_rule)
+chunk_reference = delta_rule_reference(reference.chunk_delta_rule)
+recurrent_reference = delta_rule_reference(reference.recurrent_delta_rule)
 chunk_op = define_op("kda::chunk", chunk_reference)
 recurrent_op = define_op("kda::recurrent", recurrent_reference)
 

@@ -102,24 +102,55 @@ def prepare_delta_rule_inputs(
     return q, k, v, g.expand_as(k), beta
 
 
+Scan = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
+"""A sequential loop with the signature of ``torch._higher_order_ops.scan.scan``:
+``scan(step, state, xs) -> (final_state, stacked_outputs)``; ``xs`` is a list of tensors
+whose dim 0 runs over the tokens, ``step(state, x) -> (state, outputs)``
+with ``outputs`` a tuple of tensors."""
+
+
+def python_scan(
+    step: Callable[[Tensor, list[Tensor]], tuple[Tensor, tuple[Tensor, ...]]],
+    state: Tensor,
+    xs: list[Tensor],
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The eager :data:`Scan`: a Python loop (autograd and float64 run through it)."""
+    outputs = []
+    for i in range(xs[0].shape[0]):
+        state, out = step(state, [x[i] for x in xs])
+        outputs.append(out)
+    return state, tuple(torch.stack(parts) for parts in zip(*outputs))
+
+
 def recurrent_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, state: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    state: Tensor,
+    scan: Scan = python_scan,
 ) -> tuple[Tensor, Tensor]:
-    """Token-by-token recurrence on prepared inputs of one batch.
+    """Token-by-token recurrence on prepared inputs of one batch; ``scan`` runs the loop
+    over tokens.
 
     q, k, g ``[B, T, HV, K]``; v ``[B, T, HV, V]``; beta ``[B, T, HV]``; state
     ``[B, HV, K, V]``. Returns o ``[B, T, HV, V]`` and the final state.
     """
     if q.shape[1] == 0:
         return torch.zeros_like(v), state
-    outputs = []
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp().unsqueeze(-1)
-        v_hat = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        error = beta[:, t].unsqueeze(-1) * (v[:, t] - v_hat)
-        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], error)
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, state))
-    return torch.stack(outputs, dim=1), state
+
+    def step(state: Tensor, token: list[Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+        q_t, k_t, v_t, g_t, beta_t = token
+        state = state * g_t.exp().unsqueeze(-1)
+        v_hat = torch.einsum("bhk,bhkv->bhv", k_t, state)
+        error = beta_t.unsqueeze(-1) * (v_t - v_hat)
+        state = state + torch.einsum("bhk,bhv->bhkv", k_t, error)
+        return state, (torch.einsum("bhk,bhkv->bhv", q_t * scale, state),)
+
+    state, (o,) = scan(step, state, [x.transpose(0, 1) for x in (q, k, v, g, beta)])
+    return o.transpose(0, 1), state
 
 
 def chunk_delta_rule(

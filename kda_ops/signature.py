@@ -140,13 +140,19 @@ def group_arguments(op: CustomOpDef, args: Sequence[object]) -> list[object]:
     return _DEFINED[op][0].group(args)
 
 
+def flat_kernel(op: CustomOpDef, kernel: Callable[..., object]) -> Callable[..., object]:
+    """``kernel``, which takes ``op``'s arguments grouped as its reference does, as a
+    function of the op's flat arguments (what the dispatcher or a decomposition calls)."""
+    return _DEFINED[op][0].flat(kernel)
+
+
 def fake_kernel(*ops: CustomOpDef) -> Callable[[Kernel], Kernel]:
     """Decorator: the function is the fake kernel of every op in ``ops`` (called with each
     op's arguments grouped as its reference takes them)."""
 
     def register(fake: Kernel) -> Kernel:
         for op in ops:
-            op.register_fake(_DEFINED[op][0].flat(fake))
+            op.register_fake(flat_kernel(op, fake))
         return fake
 
     return register

@@ -99,7 +99,9 @@ class ExplicitStateStep(nn.Module):
     def forward(self, input_ids: Tensor, *states: Tensor) -> tuple[Tensor, ...]:
         run = self.model.prefill if self.step == "prefill" else self.model.decode
         logits, cache = run(input_ids, unflatten_cache(self.model, states))
-        return (logits, *flatten_cache(cache))
+        # Contiguous states feed the next step as they are: a compiled package (AOTInductor)
+        # reads its inputs with the strides it was traced with.
+        return (logits, *(state.contiguous() for state in flatten_cache(cache)))
 
 
 def _dynamic_shapes(model: StatefulLM, step: str) -> tuple[object, ...]:

@@ -1,0 +1,123 @@
+// Runs the hybrid model's AOTInductor packages (lowering/aoti.py) with no Python: prefill
+// prompts from an empty cache, then greedy decode steps, printing every step's logits.
+//
+//   kda_aoti_runner PACKAGE_DIR STEPS IDS [IDS ...]
+//
+// PACKAGE_DIR holds prefill.pt2 and decode.pt2; each IDS is one prompt's comma-separated
+// token ids (all prompts of one length). Output, one line each:
+//   logits STEP SEQ v0 v1 ...   (the last position's logits; step 0 is the prefill)
+//   tokens STEP t0 t1 ...       (the greedy next token of each sequence)
+
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Metadata keys written by lowering/aoti.py's package_steps.
+constexpr const char* kStateSpecs = "kda.state_specs";
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "float64") return at::kDouble;
+  if (name == "float16") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "int64") return at::kLong;
+  if (name == "int32") return at::kInt;
+  throw std::invalid_argument("unknown state dtype in the package metadata: " + name);
+}
+
+// An empty cache for `batch` sequences: one zero tensor per line of the state specs
+// ("dtype d1 d2 ...", the shape without the batch dim).
+std::vector<at::Tensor> empty_cache(const std::string& specs, int64_t batch) {
+  std::vector<at::Tensor> states;
+  std::istringstream lines(specs);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string dtype;
+    fields >> dtype;
+    std::vector<int64_t> shape{batch};
+    for (int64_t dim; fields >> dim;) shape.push_back(dim);
+    states.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(dtype))));
+  }
+  return states;
+}
+
+at::Tensor parse_prompts(char** begin, char** end) {
+  std::vector<std::vector<int64_t>> prompts;
+  for (char** arg = begin; arg != end; ++arg) {
+    std::vector<int64_t> ids;
+    std::istringstream tokens(*arg);
+    for (std::string token; std::getline(tokens, token, ',');) ids.push_back(std::stoll(token));
+    if (ids.empty() || (!prompts.empty() && ids.size() != prompts[0].size())) {
+      throw std::invalid_argument("every prompt needs the same, non-zero number of token ids");
+    }
+    prompts.push_back(ids);
+  }
+  auto ids = at::empty({static_cast<int64_t>(prompts.size()), static_cast<int64_t>(prompts[0].size())},
+                       at::TensorOptions().dtype(at::kLong));
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    for (size_t t = 0; t < prompts[b].size(); ++t) ids[b][t] = prompts[b][t];
+  }
+  return ids;
+}
+
+// Prints the last position's logits of each sequence and returns the greedy tokens [B, 1].
+at::Tensor report(int step, const at::Tensor& logits) {
+  auto last = logits.select(1, logits.size(1) - 1).contiguous();  // [B, vocab]
+  for (int64_t b = 0; b < last.size(0); ++b) {
+    std::printf("logits %d %lld", step, static_cast<long long>(b));
+    auto row = last[b];
+    for (int64_t v = 0; v < row.size(0); ++v) std::printf(" %.9g", row[v].item<double>());
+    std::printf("\n");
+  }
+  auto next = last.argmax(-1).unsqueeze(1);
+  std::printf("tokens %d", step);
+  for (int64_t b = 0; b < next.size(0); ++b) {
+    std::printf(" %lld", static_cast<long long>(next[b][0].item<int64_t>()));
+  }
+  std::printf("\n");
+  return next;
+}
+
+std::vector<at::Tensor> step_inputs(const at::Tensor& ids, const std::vector<at::Tensor>& states) {
+  std::vector<at::Tensor> inputs{ids};
+  inputs.insert(inputs.end(), states.begin(), states.end());
+  return inputs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s PACKAGE_DIR STEPS IDS [IDS ...]\n", argv[0]);
+    return 2;
+  }
+  try {
+    const std::string dir = argv[1];
+    const int steps = std::stoi(argv[2]);
+    torch::inductor::AOTIModelPackageLoader prefill(dir + "/prefill.pt2");
+    torch::inductor::AOTIModelPackageLoader decode(dir + "/decode.pt2");
+
+    at::Tensor ids = parse_prompts(argv + 3, argv + argc);
+    std::vector<at::Tensor> states = empty_cache(prefill.get_metadata().at(kStateSpecs), ids.size(0));
+    for (int step = 0; step <= steps; ++step) {
+      auto& package = step == 0 ? prefill : decode;
+      std::vector<at::Tensor> outputs = package.run(step_inputs(ids, states));
+      states.assign(outputs.begin() + 1, outputs.end());
+      ids = report(step, outputs[0]);
+    }
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "kda_aoti_runner: %s\n", error.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,172 @@
+"""AOTInductor packages of kda programs: a ``.pt2`` that C++ loads with
+``torch::inductor::AOTIModelPackageLoader`` and runs with no Python interpreter.
+
+A kda op's kernels are Python functions, which a package cannot call without Python. So
+:func:`decompose` first replaces every inference op (``kda.chunk``, ``kda.recurrent``,
+``kda.causal_conv1d``, ``kda.gated_rms_norm``, ``kda.gate``) by its reference formulation
+in aten ops, and Inductor generates the package's code from that. The delta rule becomes its
+token recurrence as a ``scan`` (a loop in the package), for ``kda.chunk`` too: the chunked
+form pads T to whole chunks, and tracing that specializes the prompt length. A package
+therefore computes what the ops compute, with Inductor's kernels rather than kda's fused
+Triton kernels.
+
+Packages take fixed-length batches (``cu_seqlens`` must be ``None``) and functional ops
+only: an in-place op (``kda.recurrent_``, ``kda.causal_conv1d_update_``) writes state that a
+package would not carry between calls, which :func:`lowering.export.check_explicit_state`
+refuses at export already.
+
+:func:`package_steps` writes a hybrid model's prefill and decode steps as
+``prefill.pt2`` / ``decode.pt2``; ``examples/aoti_runner/`` is a C++ program that loads
+them, prefills prompts and decodes greedily.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+from torch._higher_order_ops.scan import scan
+from torch.export import ExportedProgram
+
+from kda_ops import reference
+from kda_ops.delta_rule import chunk_op, delta_rule_reference, recurrent_op
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions, flat_kernel
+from lowering.export import StatefulLM, example_inputs, export_step, state_names
+
+# Metadata keys of a step package, read by the C++ runner.
+STATE_NAMES_KEY = "kda.state_names"
+STATE_SPECS_KEY = "kda.state_specs"
+
+
+class UnsupportedOpError(ValueError):
+    """A program holds a ``kda`` op that :func:`decompose` has no formulation for."""
+
+
+def _fixed_length(op: str, cu_seqlens: Optional[Tensor]) -> None:
+    if cu_seqlens is not None:
+        raise ValueError(
+            f"{op}: an AOTInductor package takes fixed-length batches; `cu_seqlens` must be "
+            "None (pad the sequences into a batch)"
+        )
+
+
+def _batch_bound_scan(
+    step: Callable[[Tensor, list[Tensor]], tuple[Tensor, tuple[Tensor, ...]]],
+    state: Tensor,
+    xs: list[Tensor],
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """``scan`` for the reference token recurrence, whose per-step outputs lead with the
+    state's batch dim. Inductor lowers a scan to a while_loop and sizes its stacked outputs from the
+    scan's SymInt inputs alone; export lifts the (dynamic) batch size into those only when
+    the step uses it, so the step reshapes its outputs with the outer batch size."""
+    batch = state.shape[0]
+
+    def batch_bound_step(carry: Tensor, x: list[Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+        carry, ys = step(carry, x)
+        return carry, tuple(y.reshape(batch, *y.shape[1:]) for y in ys)
+
+    return scan(batch_bound_step, state, xs)
+
+
+def _delta_rule(op: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    form = functools.partial(reference.recurrent_delta_rule, scan=_batch_bound_scan)
+    kernel = delta_rule_reference(form)
+
+    def decomposition(
+        inputs: DeltaRuleInputs,
+        initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor],
+        options: DeltaRuleOptions,
+    ) -> tuple[Tensor, Tensor]:
+        _fixed_length(op, cu_seqlens)
+        return kernel(inputs, initial_state, cu_seqlens, options)
+
+    return decomposition
+
+
+def _causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    activation: str,
+) -> tuple[Tensor, Tensor]:
+    _fixed_length("kda.causal_conv1d", cu_seqlens)
+    return reference.causal_conv1d(x, weight, bias, initial_state, None, activation)
+
+
+def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
+    """The aten formulation of each functional inference op, keyed by its overload (a
+    table for ``ExportedProgram.run_decompositions``)."""
+    kda = torch.ops.kda
+    return {
+        kda.chunk.default: flat_kernel(chunk_op, _delta_rule("kda.chunk")),
+        kda.recurrent.default: flat_kernel(recurrent_op, _delta_rule("kda.recurrent")),
+        kda.causal_conv1d.default: _causal_conv1d,
+        kda.gated_rms_norm.default: reference.gated_rms_norm,
+        kda.gate.default: reference.kda_gate,
+    }
+
+
+def decompose(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with every ``kda`` op replaced by aten ops (:func:`decompositions`) and
+    the default decompositions applied; raises :class:`UnsupportedOpError` naming any kda
+    op left (training, backward and in-place ops have no package formulation)."""
+    decomposed = program.run_decompositions(decompositions())
+    left = sorted(
+        {
+            str(node.target)
+            for node in decomposed.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("kda.")
+        }
+    )
+    if left:
+        raise UnsupportedOpError(
+            f"no AOTInductor formulation for {', '.join(left)}; a package takes the "
+            "functional inference ops: " + ", ".join(sorted(map(str, decompositions())))
+        )
+    return decomposed
+
+
+def package(
+    program: ExportedProgram,
+    path: Union[str, Path],
+    metadata: Optional[dict[str, str]] = None,
+) -> str:
+    """Compile ``program`` (decomposed first) into the AOTInductor package ``path`` (a
+    ``.pt2`` file) with string ``metadata`` the loader returns; returns the path."""
+    # Without in-place buffers: torch 2.13's C++ wrapper otherwise declares a buffer that a
+    # scan's loop has written a second time (the generated C++ does not compile).
+    configs = {"aot_inductor.metadata": dict(metadata or {}), "inplace_buffers": False}
+    return torch._inductor.aoti_compile_and_package(
+        decompose(program), package_path=str(path), inductor_configs=configs
+    )
+
+
+def state_specs(model: StatefulLM) -> str:
+    """Each state's dtype and shape without the batch dim, one per line in
+    :func:`lowering.export.state_names` order: ``float32 2 16 16`` (what the runner needs to
+    build an empty cache)."""
+    states = example_inputs(model, "decode")[1:]
+    return "\n".join(
+        " ".join([str(state.dtype).removeprefix("torch."), *map(str, state.shape[1:])])
+        for state in states
+    )
+
+
+def package_steps(model: StatefulLM, directory: Union[str, Path]) -> dict[str, str]:
+    """Export ``model``'s prefill and decode steps (:func:`lowering.export.export_step`)
+    and package each as ``directory/prefill.pt2`` / ``decode.pt2``; every package's
+    metadata carries the state names and specs. Returns the paths by step."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {STATE_NAMES_KEY: "\n".join(state_names(model)), STATE_SPECS_KEY: state_specs(model)}
+    return {
+        step: package(export_step(model, step), directory / f"{step}.pt2", metadata)
+        for step in ("prefill", "decode")
+    }

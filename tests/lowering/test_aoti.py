@@ -1,0 +1,150 @@
+"""lowering.aoti: the kda ops' aten formulations equal the ops, keep batch and T dynamic
+from 1, refuse what a package cannot run; the hybrid model's packages, run from the C++
+runner with no Python, give eager's logits for a prefill and 8 decode steps."""
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch.export import Dim
+
+import kda_ops
+from examples import export_aoti
+from examples.hybrid_model import HybridConfig
+from lowering import aoti, export
+from tests.examples.cases import tiny_model
+from tests.kda_ops.inputs import delta_rule_inputs
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+kda = torch.ops.kda
+
+
+class ChunkGated(torch.nn.Module):
+    """``chunk_kda`` with the gate computed in the op (A_log, dt_bias as inputs)."""
+
+    def __init__(self, scalar_gate: bool) -> None:
+        super().__init__()
+        self.scalar_gate = scalar_gate
+
+    def forward(self, q, k, v, g, beta, A_log, dt_bias, state):
+        return kda_ops.chunk_kda(
+            q, k, v, g, beta, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        )  # fmt: skip
+
+
+def _delta_rule_args(batch, length, scalar_gate):
+    x = delta_rule_inputs(batch, length, heads=2, value_heads=4, head_k=8, head_v=4,
+                          scalar_gate=scalar_gate, raw_gate=True, dtype=torch.float32)  # fmt: skip
+    return x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state
+
+
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["kda", "gdn"])
+def test_decomposed_chunk_keeps_batch_and_length_dynamic_from_one(scalar_gate):
+    module = ChunkGated(scalar_gate)
+    batch, length = Dim("batch", min=1, max=8), Dim("length", min=1, max=256)
+    tokens = {0: batch, 1: length}
+    shapes = (tokens,) * 5 + (None, None, {0: batch})
+    program = torch.export.export(module, _delta_rule_args(3, 70, scalar_gate),
+                                  dynamic_shapes=shapes)  # fmt: skip
+    decomposed = aoti.decompose(program).module()
+    for b, t in [(1, 1), (2, 5), (3, 64), (1, 65), (2, 200)]:
+        args = _delta_rule_args(b, t, scalar_gate)
+        for got, expected in zip(decomposed(*args), module(*args), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_every_table_entry_equals_its_op():
+    """Each formulation, run eagerly, against the op it replaces."""
+    q, k, v, g, beta, A_log, dt_bias, state = _delta_rule_args(2, 9, scalar_gate=False)
+    delta_rule = (q, k, v, g, beta, A_log, dt_bias, state, None, 0.3, None, True, True)
+    x, weight, bias = torch.randn(2, 9, 6), torch.randn(6, 4), torch.randn(6)
+    gate = torch.randn(2, 9, 4, 8)
+    cases = {
+        kda.chunk.default: delta_rule,
+        kda.recurrent.default: delta_rule,
+        kda.causal_conv1d.default: (x, weight, bias, torch.randn(2, 6, 3), None, "silu"),
+        kda.gated_rms_norm.default: (x, torch.randn(2, 9, 6), torch.randn(6), 1e-6, "sigmoid"),
+        kda.gate.default: (gate, torch.randn(4), torch.randn(32), -5.0),
+    }
+    table = aoti.decompositions()
+    assert set(table) == set(cases)
+    for op, args in cases.items():
+        got, expected = table[op](*args), op(*args)
+        for a, b in zip(
+            *(r if isinstance(r, tuple) else (r,) for r in (got, expected)), strict=True
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=str(op))
+
+
+class PackedChunk(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, cu_seqlens):
+        return kda_ops.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]
+
+
+class ChunkWithStates(torch.nn.Module):
+    def forward(self, q, k, v, g, beta):
+        return kda_ops.chunk_kda(q, k, v, g, beta, return_intermediate_states=True)
+
+
+def test_packed_sequences_are_refused_naming_cu_seqlens():
+    q, k, v, g, beta, *_ = _delta_rule_args(1, 12, scalar_gate=False)
+    g = -torch.rand_like(g)
+    cu_seqlens = torch.tensor([0, 5, 12])
+    program = torch.export.export(PackedChunk(), (q, k, v, g, torch.sigmoid(beta), cu_seqlens))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        aoti.decompose(program)
+
+
+def test_an_op_without_a_formulation_is_named():
+    q, k, v, g, beta, *_ = _delta_rule_args(1, 12, scalar_gate=False)
+    program = torch.export.export(ChunkWithStates(), (q, k, v, -torch.rand_like(g), beta.sigmoid()))
+    with pytest.raises(aoti.UnsupportedOpError, match=r"kda\.chunk_states"):
+        aoti.decompose(program)
+
+
+def test_state_specs_describe_the_empty_cache():
+    model = tiny_model()
+    lines = aoti.state_specs(model).splitlines()
+    states = export.flatten_cache(model.new_cache(5))
+    assert len(lines) == len(states) == len(export.state_names(model))
+    for line, state in zip(lines, states):
+        dtype, *shape = line.split()
+        assert getattr(torch, dtype) == state.dtype
+        assert [int(d) for d in shape] == list(state.shape[1:])
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> pathlib.Path:
+    """The C++ runner of examples/aoti_runner, built against this torch's libtorch."""
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("the C++ runner needs cmake and a C++ compiler")
+    build = tmp_path_factory.mktemp("aoti_runner")
+    source = ROOT / "examples" / "aoti_runner"
+    configure = ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]  # fmt: skip
+    subprocess.run(configure, check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return build / "kda_aoti_runner"
+
+
+def test_cpp_runner_gives_eager_logits_for_prefill_and_decode(tmp_path, runner):
+    """One KDA layer and one attention layer: prefill 2 prompts of 7 tokens, 8 decode steps,
+    in a process that links libtorch and no Python; also the same packages loaded here."""
+    torch.manual_seed(0)
+    model = tiny_model(HybridConfig(num_layers=2, full_attention_interval=2))
+    paths = aoti.package_steps(model, tmp_path)
+    prompts = torch.randint(model.config.vocab_size, (2, 7))
+    expected = export_aoti.eager_steps(model, prompts, steps=8)
+    in_cpp = export_aoti.runner_steps(runner, tmp_path, prompts, steps=8)
+    here = export_aoti.package_steps_here(paths, model, prompts, steps=8)
+    for got in (in_cpp, here):
+        assert len(got) == 9
+        for (logits, tokens), (want_logits, want_tokens) in zip(got, expected):
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+            assert torch.equal(tokens, want_tokens)
+    libraries = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
+    assert "libpython" not in libraries
