@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor
-from torch._higher_order_ops.scan import scan
+from torch._higher_order_ops.scan import scan_op
 from torch.export import ExportedProgram
 
 from kda_ops import reference
@@ -59,17 +59,26 @@ def _batch_bound_scan(
     state: Tensor,
     xs: list[Tensor],
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """``scan`` for the reference token recurrence, whose per-step outputs lead with the
-    state's batch dim. Inductor lowers a scan to a while_loop and sizes its stacked outputs from the
-    scan's SymInt inputs alone; export lifts the (dynamic) batch size into those only when
-    the step uses it, so the step reshapes its outputs with the outer batch size."""
+    """A :data:`kda_ops.reference.Scan` as the ``scan`` higher-order op, for the reference
+    token recurrence, whose per-step outputs lead with the state's batch dim.
+
+    Two workarounds. Inductor lowers a scan to a while_loop and sizes its stacked outputs
+    from the scan's SymInt inputs alone, so the batch size is one (an additional input) and
+    the step reshapes its outputs with it. And the op is called directly, not through
+    ``torch._higher_order_ops.scan.scan``, whose ``torch.compile`` wrapper keeps a Dynamo
+    cache entry that breaks the next export trace of a different program (a tensor
+    constant missing from the program).
+    """
     batch = state.shape[0]
+    dynamic = (batch,) if isinstance(batch, torch.SymInt) else ()  # a static size needs none
 
-    def batch_bound_step(carry: Tensor, x: list[Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
-        carry, ys = step(carry, x)
-        return carry, tuple(y.reshape(batch, *y.shape[1:]) for y in ys)
+    def flat_step(carry: Tensor, *rest: object) -> list[Tensor]:
+        carry, ys = step(carry, list(rest[: len(xs)]))
+        size = rest[len(xs)] if dynamic else batch
+        return [carry, *(y.reshape(size, *y.shape[1:]) for y in ys)]
 
-    return scan(batch_bound_step, state, xs)
+    final, *ys = scan_op(flat_step, [state], list(xs), dynamic)
+    return final, tuple(ys)
 
 
 def _delta_rule(op: str) -> Callable[..., tuple[Tensor, Tensor]]:

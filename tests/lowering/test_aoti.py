@@ -57,6 +57,19 @@ def test_decomposed_chunk_keeps_batch_and_length_dynamic_from_one(scalar_gate):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_programs_decompose_one_after_another():
+    """A decomposition leaves no state behind that breaks the next program's (the scan's
+    compile wrapper did: a tensor constant missing from the second program)."""
+    aoti.decompose(torch.export.export(ChunkGated(False), _delta_rule_args(2, 9, False)))
+    model = tiny_model(HybridConfig(num_layers=2, full_attention_interval=2))
+    decomposed = aoti.decompose(export.export_step(model, "decode"))
+    ids = torch.randint(model.config.vocab_size, (2, 1))
+    states = export.flatten_cache(model.new_cache(2))
+    expected = export.ExplicitStateStep(model, "decode")(ids, *states)
+    for got, want in zip(decomposed.module()(ids, *states), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_every_table_entry_equals_its_op():
     """Each formulation, run eagerly, against the op it replaces."""
     q, k, v, g, beta, A_log, dt_bias, state = _delta_rule_args(2, 9, scalar_gate=False)
