@@ -42,6 +42,10 @@ STATE_NAMES_KEY = "kda.state_names"
 STATE_SPECS_KEY = "kda.state_specs"
 
 
+# torch 2.11's C++ wrapper cannot generate the scan's loop (2.13.0 and 2.14.1 can).
+OLDEST_TORCH = "2.13"
+
+
 class UnsupportedOpError(ValueError):
     """A program holds a ``kda`` op that :func:`decompose` has no formulation for."""
 
@@ -148,7 +152,13 @@ def package(
     metadata: Optional[dict[str, str]] = None,
 ) -> str:
     """Compile ``program`` (decomposed first) into the AOTInductor package ``path`` (a
-    ``.pt2`` file) with string ``metadata`` the loader returns; returns the path."""
+    ``.pt2`` file) with string ``metadata`` the loader returns; returns the path. Needs
+    torch >= :data:`OLDEST_TORCH`."""
+    if torch.torch_version.TorchVersion(torch.__version__) < OLDEST_TORCH:
+        raise RuntimeError(
+            f"lowering.aoti.package needs torch >= {OLDEST_TORCH} (this is {torch.__version__}): "
+            "older Inductor fails to generate the C++ of the delta rule's loop"
+        )
     # Without in-place buffers: torch 2.13's C++ wrapper otherwise declares a buffer that a
     # scan's loop has written a second time (the generated C++ does not compile).
     configs = {"aot_inductor.metadata": dict(metadata or {}), "inplace_buffers": False}
