@@ -5,7 +5,8 @@ A kda op's kernels are Python functions, which a package cannot call without Pyt
 :func:`decompose` first replaces every inference op (``kda.chunk``, ``kda.recurrent``,
 ``kda.causal_conv1d``, ``kda.gated_rms_norm``, ``kda.gate``) by its reference formulation
 in aten ops, and Inductor generates the package's code from that. The delta rule becomes its
-token recurrence as a ``scan`` (a loop in the package), for ``kda.chunk`` too: the chunked
+token recurrence as a ``scan`` (a loop in the package; unrolled for a static count of up
+to :data:`UNROLLED_TOKENS`, a decode step), for ``kda.chunk`` too: the chunked
 form pads T to whole chunks, and tracing that specializes the prompt length. A package
 therefore computes what the ops compute, with Inductor's kernels rather than kda's fused
 Triton kernels.
@@ -85,8 +86,24 @@ def _batch_bound_scan(
     return final, tuple(ys)
 
 
+# A static token count up to this (a decode step, a few draft tokens) runs unrolled: no
+# loop in the package (about a tenth off a tiny model's CPU decode step at batch 1).
+UNROLLED_TOKENS = 8
+
+
+def _token_scan(
+    step: Callable[[Tensor, list[Tensor]], tuple[Tensor, tuple[Tensor, ...]]],
+    state: Tensor,
+    xs: list[Tensor],
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    length = xs[0].shape[0]
+    if isinstance(length, int) and length <= UNROLLED_TOKENS:
+        return reference.python_scan(step, state, xs)
+    return _batch_bound_scan(step, state, xs)
+
+
 def _delta_rule(op: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    form = functools.partial(reference.recurrent_delta_rule, scan=_batch_bound_scan)
+    form = functools.partial(reference.recurrent_delta_rule, scan=_token_scan)
     kernel = delta_rule_reference(form)
 
     def decomposition(
