@@ -1,0 +1,83 @@
+"""The hybrid example model's steps as AOTInductor packages (``lowering.aoti``) against the
+same steps in eager PyTorch and compiled with ``backend="kda"``, on the CPU, in one process.
+
+Times a decode step (batch 1 and 64 after an empty cache) and a prefill (batch 1, T = 48)
+of the tiny :class:`HybridConfig` model: the package through ``aoti_load_package`` (the
+call goes straight to the compiled C++), eager ``lowering.export.ExplicitStateStep``, and
+``torch.compile(backend="kda")`` of it. Rounds rotate the order; a round's value is the
+median of its calls. Writes the rows to ``--out`` (default
+``benchmarks/results/aoti.json``). Usage::
+
+    python benchmarks/aoti.py --no-shared-machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples/ folder
+
+from results import Results, add_arguments, row  # benchmarks/, the script's folder
+
+import lowering.inductor  # noqa: F401  (registers backend="kda")
+from examples.hybrid_model import HybridConfig, HybridLM
+from lowering import aoti, export
+
+CASES = (("decode", 1, 1), ("decode", 64, 1), ("prefill", 1, 48))  # step, batch, T
+
+
+def median_seconds(
+    fn: Callable[..., object], inputs: tuple[torch.Tensor, ...], calls: int
+) -> float:
+    """The median wall time of ``calls`` calls ``fn(*inputs)``, after three untimed ones."""
+    for _ in range(3):
+        fn(*inputs)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn(*inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=100, help="timed calls a round")
+    add_arguments(parser, "aoti")
+    args = parser.parse_args()
+    results = Results.from_args("aoti", args)
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    with tempfile.TemporaryDirectory() as directory:
+        packages = {step: torch._inductor.aoti_load_package(path)
+                    for step, path in aoti.package_steps(model, directory).items()}  # fmt: skip
+    for step, batch, length in CASES:
+        eager = export.ExplicitStateStep(model, step)
+        runs = {"package": packages[step], "eager": eager,
+                "compile(kda)": torch.compile(eager, backend="kda", dynamic=False)}  # fmt: skip
+        ids = torch.randint(model.config.vocab_size, (batch, length))
+        inputs = (ids, *export.flatten_cache(model.new_cache(batch)))
+        values: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
+        with torch.no_grad():
+            for index in range(args.rounds):
+                for name in names[index % len(names) :] + names[: index % len(names)]:
+                    values[name].append(median_seconds(runs[name], inputs, args.calls))
+        case = f"{step} B={batch} T={length}"
+        results.add(row(case, name, "step time", [v * 1e6 for v in times], "us")
+                    for name, times in values.items())  # fmt: skip
+        print(case, "  ".join(f"{name} {statistics.median(v) * 1e6:.0f} us"
+                              for name, v in values.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
