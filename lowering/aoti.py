@@ -42,7 +42,6 @@ from lowering.export import StatefulLM, example_inputs, export_step, state_names
 STATE_NAMES_KEY = "kda.state_names"
 STATE_SPECS_KEY = "kda.state_specs"
 
-
 # torch 2.11's C++ wrapper cannot generate the scan's loop (2.13.0 and 2.14.1 can).
 OLDEST_TORCH = "2.13"
 
@@ -86,8 +85,8 @@ def _batch_bound_scan(
     return final, tuple(ys)
 
 
-# A static token count up to this (a decode step, a few draft tokens) runs unrolled: no
-# loop in the package (about a tenth off a tiny model's CPU decode step at batch 1).
+# A static token count up to this (a decode step, a few draft tokens) runs unrolled: the
+# package then has no loop, nor the loop's per-iteration index bookkeeping.
 UNROLLED_TOKENS = 8
 
 
