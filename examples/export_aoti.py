@@ -15,6 +15,7 @@ import argparse
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +31,9 @@ from lowering import aoti, export
 Greedy = list[tuple[Tensor, Tensor]]
 
 
-def greedy_steps(step: object, prompts: Tensor, states: tuple[Tensor, ...], steps: int) -> Greedy:
+def greedy_steps(
+    step: Callable[..., Sequence[Tensor]], prompts: Tensor, states: Sequence[Tensor], steps: int
+) -> Greedy:
     """Prefill ``prompts`` [B, T] then ``steps`` greedy decode steps through ``step(name,
     input_ids, *states) -> (logits, *new_states)``."""
     ids, results = prompts, []
@@ -101,7 +104,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-length", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
-    args = parser.parse_args()  # fmt: skip
+    args = parser.parse_args()
     torch.manual_seed(0)
     model = HybridLM(HybridConfig()).eval().requires_grad_(False)
     if args.prompt_length + args.steps > model.config.max_seq_len:

@@ -36,7 +36,7 @@ from torch.export import ExportedProgram
 from kda_ops import reference
 from kda_ops.delta_rule import chunk_op, delta_rule_reference, recurrent_op
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions, flat_kernel
-from lowering.export import StatefulLM, example_inputs, export_step, state_names
+from lowering.export import StatefulLM, export_step, flatten_cache, state_names
 
 # Metadata keys of a step package, read by the C++ runner.
 STATE_NAMES_KEY = "kda.state_names"
@@ -146,7 +146,8 @@ def decompose(program: ExportedProgram) -> ExportedProgram:
     """``program`` with every ``kda`` op replaced by aten ops (:func:`decompositions`) and
     the default decompositions applied; raises :class:`UnsupportedOpError` naming any kda
     op left (training, backward and in-place ops have no package formulation)."""
-    decomposed = program.run_decompositions(decompositions())
+    table = decompositions()
+    decomposed = program.run_decompositions(table)
     left = sorted(
         {
             str(node.target)
@@ -157,7 +158,7 @@ def decompose(program: ExportedProgram) -> ExportedProgram:
     if left:
         raise UnsupportedOpError(
             f"no AOTInductor formulation for {', '.join(left)}; a package takes the "
-            "functional inference ops: " + ", ".join(sorted(map(str, decompositions())))
+            "functional inference ops: " + ", ".join(sorted(map(str, table)))
         )
     return decomposed
 
@@ -187,7 +188,7 @@ def state_specs(model: StatefulLM) -> str:
     """Each state's dtype and shape without the batch dim, one per line in
     :func:`lowering.export.state_names` order: ``float32 2 16 16`` (what the runner needs to
     build an empty cache)."""
-    states = example_inputs(model, "decode")[1:]
+    states = flatten_cache(model.new_cache(1))
     return "\n".join(
         " ".join([str(state.dtype).removeprefix("torch."), *map(str, state.shape[1:])])
         for state in states
