@@ -5,8 +5,8 @@ Times a decode step (batch 1 and 64 after an empty cache) and a prefill (batch 1
 of the tiny :class:`HybridConfig` model: the package through ``aoti_load_package`` (the
 call goes straight to the compiled C++), eager ``lowering.export.ExplicitStateStep``, and
 ``torch.compile(backend="kda")`` of it. Rounds rotate the order; a round's value is the
-median of its calls. Writes the rows to ``--out`` (default
-``benchmarks/results/aoti.json``). Usage::
+median of its calls (``harness.rotated_rounds``, ``harness.cpu_time_ms``). Writes the rows
+to ``--out`` (default ``benchmarks/results/aoti.json``). Usage::
 
     python benchmarks/aoti.py --no-shared-machine
 """
@@ -14,38 +14,24 @@ median of its calls. Writes the rows to ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples/ folder
 
-from results import Results, add_arguments, row  # benchmarks/, the script's folder
+from harness import cpu_time_ms, rotated_rounds  # benchmarks/, the script's folder
+from results import Results, add_arguments, row
 
 import lowering.inductor  # noqa: F401  (registers backend="kda")
 from examples.hybrid_model import HybridConfig, HybridLM
 from lowering import aoti, export
 
 CASES = (("decode", 1, 1), ("decode", 64, 1), ("prefill", 1, 48))  # step, batch, T
-
-
-def median_seconds(
-    fn: Callable[..., object], inputs: tuple[torch.Tensor, ...], calls: int
-) -> float:
-    """The median wall time of ``calls`` calls ``fn(*inputs)``, after three untimed ones."""
-    for _ in range(3):
-        fn(*inputs)
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(*inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -66,16 +52,14 @@ def main() -> None:
                 "compile(kda)": torch.compile(eager, backend="kda", dynamic=False)}  # fmt: skip
         ids = torch.randint(model.config.vocab_size, (batch, length))
         inputs = (ids, *export.flatten_cache(model.new_cache(batch)))
-        values: dict[str, list[float]] = {name: [] for name in runs}
-        names = list(runs)
+        calls = {name: functools.partial(run, *inputs) for name, run in runs.items()}
+        timer = functools.partial(cpu_time_ms, repeats=args.calls)
         with torch.no_grad():
-            for index in range(args.rounds):
-                for name in names[index % len(names) :] + names[: index % len(names)]:
-                    values[name].append(median_seconds(runs[name], inputs, args.calls))
+            values = rotated_rounds(calls, args.rounds, timer)
         case = f"{step} B={batch} T={length}"
-        results.add(row(case, name, "step time", [v * 1e6 for v in times], "us")
+        results.add(row(case, name, "step time", [ms * 1e3 for ms in times], "us")
                     for name, times in values.items())  # fmt: skip
-        print(case, "  ".join(f"{name} {statistics.median(v) * 1e6:.0f} us"
+        print(case, "  ".join(f"{name} {statistics.median(v) * 1e3:.0f} us"
                               for name, v in values.items()))  # fmt: skip
 
 
