@@ -1,0 +1,134 @@
+"""Decode step of unchanged transformers Qwen3-Next and Kimi Linear models (no
+``kda_ops.integrations.enable()``), ``torch.compile(fullgraph=True)`` with
+``backend="kda"`` (its passes fuse every conv update and gated RMSNorm into the kda ops)
+against stock Inductor, in one process.
+
+The models run transformers' own PyTorch formulations (what they run without FLA or
+causal-conv1d installed), at 2048 hidden units with 128-wide heads, bf16, three
+linear-attention layers and one full-attention layer after a 16-token prompt. Per step:
+do_bench median of one decode call (host dispatch included) followed by the crop of the
+attention layer's new key and value (same in both, so that the call repeats on the same
+shapes), B = 1 and 64, in ``--rounds`` rounds of
+rotated order. Needs a CUDA GPU and ``transformers==5.24.0``. Usage::
+
+    python benchmarks/decode_fusion.py [--rounds 3] [--no-shared-machine] [--out ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from harness import rotated_rounds, time_ms  # benchmarks/, the script's folder
+from results import Results, add_arguments, row
+
+# transformers probes for the hub's `kernels` package, which benchmarks/kernels.py would
+# shadow: the script's folder leaves the path once its own modules are imported.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
+
+from lowering.inductor import PASS_MANAGER, kda_backend  # noqa: E402
+from tests.kda_ops.integrations.models import _build, transformers_reference  # noqa: E402
+
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+LAYERS = len(LAYER_TYPES)
+PROMPT = 16
+COMMON = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096,
+              num_hidden_layers=LAYERS, num_attention_heads=16, linear_conv_kernel_dim=4,
+              layer_types=LAYER_TYPES, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)  # fmt: skip
+
+
+def qwen3_next() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        **COMMON, num_key_value_heads=2, head_dim=128, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+        num_experts=0,
+    )  # fmt: skip
+    return _build(transformers.Qwen3NextForCausalLM, config)
+
+
+def kimi_linear() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.KimiLinearConfig(
+        **COMMON, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, linear_head_dim=128,
+        linear_num_heads=16, mlp_layer_types=["dense"] * LAYERS,
+    )  # fmt: skip
+    return _build(transformers.KimiLinearForCausalLM, config)
+
+
+MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+
+
+def bench_model(name: str, batch: int, rounds: int, results: Results) -> None:
+    model = MODELS[name]().to("cuda", torch.bfloat16)
+    ids = torch.randint(3, COMMON["vocab_size"], (batch, PROMPT + 1), device="cuda")
+    with transformers_reference(name), torch.no_grad():
+        cache = model(ids[:, :PROMPT], use_cache=True).past_key_values
+        token = ids[:, PROMPT:]
+
+        from transformers.cache_utils import LinearAttentionLayer
+
+        attention = [layer for layer in cache.layers if not isinstance(layer, LinearAttentionLayer)]
+
+        def decode():
+            return model(token, past_key_values=cache, use_cache=True).logits
+
+        def step(compiled):
+            def call():
+                compiled()
+                for layer in attention:
+                    layer.crop(-1)
+
+            return call
+
+        calls, fused = {}, {}
+        # The callable, not the name: the name resolves through the installed entry point.
+        for backend, compiler in (("kda", kda_backend), ("inductor", "inductor")):
+            torch._dynamo.reset()
+            PASS_MANAGER.reset_counts()
+            compiled = torch.compile(decode, backend=compiler, fullgraph=True)
+            calls[backend] = step(compiled)
+            calls[backend]()
+            fused[backend] = {n: c for n, c in PASS_MANAGER.counts.items() if c}
+        times = rotated_rounds(calls, rounds, time_ms)
+    case = f"{name} B={batch}"
+    kda, stock = (statistics.median(times[b]) * 1e3 for b in ("kda", "inductor"))
+    spread = {b: f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}" for b, v in times.items()}
+    print(f"| {case} | {kda:.1f} [{spread['kda']}] | {stock:.1f} [{spread['inductor']}] "
+          f"| {kda / stock:.3f} | {fused['kda']} |", flush=True)  # fmt: skip
+    results.add([row(case, f"torch.compile(backend={b!r})", "decode step", [t * 1e3 for t in v],
+                     "us", fused=fused[b]) for b, v in times.items()])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of rotated order")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    add_arguments(parser, "decode_fusion")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/decode_fusion.py needs a CUDA GPU")
+    results = Results.from_args("decode_fusion", args)
+    print(f"{torch.cuda.get_device_name()}; µs a decode step: median [min–max] over rounds")
+    print('| case | backend="kda" | stock Inductor | kda / stock | kda passes matched |')
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name in MODELS if args.model == "all" else [args.model]:
+        for batch in args.batch:
+            bench_model(name, batch, args.rounds, results)
+    print(f"\nwrote {results.path}")
+
+
+if __name__ == "__main__":
+    main()
