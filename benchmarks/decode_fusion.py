@@ -34,45 +34,27 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 
 from lowering.inductor import PASS_MANAGER, kda_backend  # noqa: E402
-from tests.kda_ops.integrations.models import _build, transformers_reference  # noqa: E402
+from tests.kda_ops.integrations.models import (  # noqa: E402
+    kimi_linear_model,
+    qwen3_next_model,
+    transformers_reference,
+)
 
-LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
-LAYERS = len(LAYER_TYPES)
 PROMPT = 16
-COMMON = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096,
-              num_hidden_layers=LAYERS, num_attention_heads=16, linear_conv_kernel_dim=4,
-              layer_types=LAYER_TYPES, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)  # fmt: skip
-
-
-def qwen3_next() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.Qwen3NextConfig(
-        **COMMON, num_key_value_heads=2, head_dim=128, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
-        num_experts=0,
-    )  # fmt: skip
-    return _build(transformers.Qwen3NextForCausalLM, config)
-
-
-def kimi_linear() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.KimiLinearConfig(
-        **COMMON, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, linear_head_dim=128,
-        linear_num_heads=16, mlp_layer_types=["dense"] * LAYERS,
-    )  # fmt: skip
-    return _build(transformers.KimiLinearForCausalLM, config)
-
-
-MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+VOCAB = 4096
+SIZES = dict(vocab_size=VOCAB, hidden_size=2048, intermediate_size=4096, num_attention_heads=16)
+MODELS = {
+    "qwen3_next": lambda: qwen3_next_model(**SIZES, num_key_value_heads=2,
+                                           linear_num_key_heads=8, linear_num_value_heads=16),
+    "kimi_linear": lambda: kimi_linear_model(**SIZES, num_key_value_heads=16, kv_lora_rank=512,
+                                             qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                             v_head_dim=128, linear_num_heads=16),
+}  # fmt: skip
 
 
 def bench_model(name: str, batch: int, rounds: int, results: Results) -> None:
     model = MODELS[name]().to("cuda", torch.bfloat16)
-    ids = torch.randint(3, COMMON["vocab_size"], (batch, PROMPT + 1), device="cuda")
+    ids = torch.randint(3, VOCAB, (batch, PROMPT + 1), device="cuda")
     with transformers_reference(name), torch.no_grad():
         cache = model(ids[:, :PROMPT], use_cache=True).past_key_values
         token = ids[:, PROMPT:]
