@@ -28,13 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from harness import rotated_rounds, time_ms  # benchmarks/, the script's folder
 from results import Results, add_arguments, row
 
-# transformers probes for the hub's `kernels` package, which benchmarks/kernels.py would
-# shadow: the script's folder leaves the path once its own modules are imported.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
-
-from lowering.inductor import PASS_MANAGER, kda_backend  # noqa: E402
-from tests.kda_ops.integrations.models import (  # noqa: E402
+from lowering.inductor import PASS_MANAGER, kda_backend
+from tests.kda_ops.integrations.models import (
     kimi_linear_model,
     qwen3_next_model,
     transformers_reference,

@@ -4,9 +4,9 @@ in the same process: where the time of ``ops.py``'s rows goes, kernel by kernel
 (torch.profiler, µs a step, averaged over ``--steps`` profiled steps after three warm-up
 steps).
 
-Usage (GPU): ``python benchmarks/kernels.py [--heads 64] [--length 8192] [--softplus]
+Usage (GPU): ``python benchmarks/kernel_split.py [--heads 64] [--length 8192] [--softplus]
 [--disable-recompute] [--forward] [--steps 5] [--shared-machine | --no-shared-machine]
-[--out benchmarks/results/kernels.json]``.
+[--out benchmarks/results/kernel_split.json]``.
 """
 
 import argparse
@@ -58,9 +58,9 @@ def main() -> None:
     parser.add_argument("--disable-recompute", action="store_true")
     parser.add_argument("--forward", action="store_true", help="the forward alone")
     parser.add_argument("--steps", type=int, default=5)
-    add_arguments(parser, "kernels")
+    add_arguments(parser, "kernel_split")
     args = parser.parse_args()
-    results = Results.from_args("kernels", args)
+    results = Results.from_args("kernel_split", args)
     x = kda_inputs(1, args.length, args.heads)
     options = dict(chunk_options(None if args.softplus else LOWER_BOUND),
                    disable_recompute=args.disable_recompute)  # fmt: skip
