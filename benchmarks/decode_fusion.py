@@ -76,7 +76,9 @@ def bench_model(name: str, batch: int, rounds: int, results: Results) -> None:
             PASS_MANAGER.reset_counts()
             compiled = torch.compile(decode, backend=compiler, fullgraph=True)
             calls[backend] = step(compiled)
-            calls[backend]()
+            # A graph-cache hit would skip the passes and leave their match counts empty.
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                calls[backend]()
             fused[backend] = {n: c for n, c in PASS_MANAGER.counts.items() if c}
         times = rotated_rounds(calls, rounds, time_ms)
     case = f"{name} B={batch}"

@@ -13,33 +13,34 @@ LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 VOCAB = 128
 
 
+KIMI_LINEAR = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=None,
+    qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=128,
+    linear_num_heads=2, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
+    mlp_layer_types=["dense"] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+QWEN3_NEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_conv_kernel_dim=4, num_experts=0, layer_types=LAYER_TYPES, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
 def kimi_linear_model(**sizes: int) -> torch.nn.Module:
-    """The tiny Kimi Linear, its config's sizes replaced by ``sizes``."""
+    """The tiny Kimi Linear (``KIMI_LINEAR``), with ``sizes`` replacing config entries."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    config = KimiLinearConfig(**{
-        **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=2,
-               num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=16,
-               qk_nope_head_dim=32, v_head_dim=32, linear_head_dim=128, linear_num_heads=2),
-        **sizes,
-    }, num_hidden_layers=4, q_lora_rank=None, linear_conv_kernel_dim=4,
-       layer_types=LAYER_TYPES, mlp_layer_types=["dense"] * 4, pad_token_id=0, bos_token_id=1,
-       eos_token_id=2)  # fmt: skip
-    return _build(KimiLinearForCausalLM, config)
+    return _build(KimiLinearForCausalLM, KimiLinearConfig(**(KIMI_LINEAR | sizes)))
 
 
 def qwen3_next_model(**sizes: int) -> torch.nn.Module:
-    """The tiny Qwen3-Next, its config's sizes replaced by ``sizes``."""
+    """The tiny Qwen3-Next (``QWEN3_NEXT``), with ``sizes`` replacing config entries."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    config = Qwen3NextConfig(**{
-        **dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=128, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2),
-        **sizes,
-    }, num_hidden_layers=4, linear_conv_kernel_dim=4, num_experts=0, layer_types=LAYER_TYPES,
-       pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    return _build(Qwen3NextForCausalLM, config)
+    return _build(Qwen3NextForCausalLM, Qwen3NextConfig(**(QWEN3_NEXT | sizes)))
 
 
 def _build(model_class: type, config: object) -> torch.nn.Module:
