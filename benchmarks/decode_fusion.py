@@ -70,9 +70,9 @@ def bench_model(name: str, batch: int, rounds: int, results: Results) -> None:
             return call
 
         calls, fused = {}, {}
+        torch._dynamo.reset()  # the earlier cases' entries, under the same code object
         # The callable, not the name: the name resolves through the installed entry point.
         for backend, compiler in (("kda", kda_backend), ("inductor", "inductor")):
-            torch._dynamo.reset()
             PASS_MANAGER.reset_counts()
             compiled = torch.compile(decode, backend=compiler, fullgraph=True)
             calls[backend] = step(compiled)
