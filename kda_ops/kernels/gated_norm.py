@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 # Elements per program and warps, picked by timing the kernels (benchmarks/ops.py).
@@ -76,19 +77,26 @@ def _row_blocks(x: Tensor) -> dict[str, int]:
                 ROWS=max(1, ROW_BLOCK_ELEMENTS // block_d))  # fmt: skip
 
 
+def gated_rms_norm_launch(
+    x: Tensor, gate: Tensor, weight: Tensor, eps: float, activation: str
+) -> KernelLaunch:
+    """The forward kernel's launch for x, gate ``[..., D]``, weight ``[D]``, writing a new
+    y (``args["y"]``, x's shape and dtype)."""
+    x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
+    shape = _row_blocks(x)
+    grid = (cdiv(shape["n_rows"], shape["ROWS"]),)
+    args = dict(x=x, gate=gate, weight=weight, eps=eps, y=torch.empty_like(x), **shape,
+                SILU=activation == "silu", num_warps=NUM_WARPS)  # fmt: skip
+    return KernelLaunch(gated_rms_norm_kernel, grid, args, writes=("y",))
+
+
 def launch_gated_rms_norm(
     x: Tensor, gate: Tensor, weight: Tensor, eps: float, activation: str
 ) -> Tensor:
     """x, gate ``[..., D]``; weight ``[D]`` -> y of x's shape and dtype."""
-    x, gate = x.contiguous(), gate.contiguous()
-    y = torch.empty_like(x)
-    shape = _row_blocks(x)
-    n_rows = shape.pop("n_rows")
-    gated_rms_norm_kernel[(cdiv(n_rows, shape["ROWS"]),)](
-        x, gate, weight, eps, n_rows, y,
-        **shape, SILU=activation == "silu", num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return y
+    launch = gated_rms_norm_launch(x, gate, weight, eps, activation)
+    launch.run()
+    return launch.args["y"]
 
 
 def launch_gated_rms_norm_backward(

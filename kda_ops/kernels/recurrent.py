@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kda_ops.kernels.chunk.device import L2NORM_EPS
 from kda_ops.kernels.gate import gate_activation, gate_parameters
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -111,7 +112,7 @@ def is_v_first(state: Optional[Tensor]) -> bool:
     )
 
 
-def launch_recurrent_kda(
+def recurrent_launch(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -128,25 +129,27 @@ def launch_recurrent_kda(
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
     step_states: Optional[Tensor] = None,
-) -> Tensor:
-    """Runs the recurrence; writes final states into ``state_out`` (may be ``state_in``;
-    ``None`` writes none; each ``[P, HV, K, V]``, contiguous or the transposed view of a
-    contiguous V-first ``[P, HV, V, K]``) and, when given, the state after every token
-    into ``step_states`` (contiguous ``[B, T, HV, K, V]``, fixed length only); returns
-    o ``[B, T, HV, V]`` in v's dtype. Shapes as in ``kda_ops.delta_rule``."""
+) -> KernelLaunch:
+    """The recurrence's launch, writing a new o (``args["o"]``, ``[B, T, HV, V]`` in v's
+    dtype), the final states into ``state_out`` (may be ``state_in``; ``None`` writes none;
+    each ``[P, HV, K, V]``, contiguous or the transposed view of a contiguous V-first
+    ``[P, HV, V, K]``) and, when given, the state after every token into ``step_states``
+    (contiguous ``[B, T, HV, K, V]``, fixed length only). Shapes as in
+    ``kda_ops.delta_rule``."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if state_in is not None and state_in is not state_out and not is_v_first(state_in):
         state_in = state_in.contiguous()
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o = torch.empty_like(v)
     block_k = next_power_of_2(head_k)
     block_v = min(next_power_of_2(head_v), 32 if block_k <= 128 else 16)
     grid = (cdiv(head_v, block_v), n_seqs * value_heads)
-    recurrent_kda_kernel[grid](
-        q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
-        scale, 0.0 if lower_bound is None else lower_bound, length, o, state_out, step_states,
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state_in=state_in,
+        state_indices=state_indices, cu_seqlens=cu_seqlens, scale=scale,
+        lower_bound=0.0 if lower_bound is None else lower_bound, length=length,
+        o=torch.empty_like(v), state_out=state_out, step_states=step_states,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
@@ -156,4 +159,12 @@ def launch_recurrent_kda(
         STATE_IN_V_FIRST=is_v_first(state_in), STATE_OUT_V_FIRST=is_v_first(state_out),
         num_warps=4,
     )  # fmt: skip
-    return o
+    writes = tuple(name for name in ("o", "state_out", "step_states") if args[name] is not None)
+    return KernelLaunch(recurrent_kda_kernel, grid, args, writes)
+
+
+def launch_recurrent_kda(*args: object, **kwargs: object) -> Tensor:
+    """Runs :func:`recurrent_launch` (same arguments) and returns o."""
+    launch = recurrent_launch(*args, **kwargs)
+    launch.run()
+    return launch.args["o"]

@@ -18,6 +18,7 @@ from lowering.inductor.gated_rms_norm import GatedRMSNormPass
 from lowering.inductor.gated_rms_norm_fla import GatedRMSNormFLAPass
 from lowering.inductor.gated_rms_norm_transformers import GatedRMSNormTransformersPass
 from lowering.inductor.recurrent_state import RecurrentStatePass
+from lowering.inductor.triton_kernels import TritonKernelsPass
 
 
 def default_passes() -> list[KDAInductorPass]:
@@ -31,6 +32,7 @@ def default_passes() -> list[KDAInductorPass]:
         GatedRMSNormPass(),  # kda's own fp32 gated RMSNorm (examples/hybrid_model.py)
         GatedRMSNormTransformersPass(),  # Qwen3-Next's, Kimi Linear's, GLM5-next's modules
         GatedRMSNormFLAPass(),  # FLA's rms_norm_ref: 1 / sqrt, x * rstd * weight
+        TritonKernelsPass(),  # last: the fused ops' CUDA kernels as Inductor kernel nodes
     ]
 
 

@@ -26,7 +26,7 @@ from kda_ops.kernels.conv.device import (
     tile_sizes,
     token_block,
 )
-from kda_ops.kernels.conv.step import launch_step
+from kda_ops.kernels.conv.step import step_launch
 from kda_ops.kernels.fast_exp import fast_sigmoid
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
@@ -155,12 +155,12 @@ def launch_causal_conv1d(
     batch, length, channels = x.shape
     width = weight.shape[1]
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if length == 1 and cu_seqlens is None:
+        step = step_launch(x, weight, bias, state_in, state_out, state_indices, activation)
+        step.run()
+        return step.args["y"]
     y = torch.empty_like(x)
     flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None)
-    if length == 1 and cu_seqlens is None:
-        flags.update(HAS_BIAS=bias is not None, SILU=activation == "silu")
-        launch_step(x, weight, bias, state_in, state_out, state_indices, y, flags)
-        return y
     block_t, block_d = tile_sizes(PREFILL_ROWS, length, channels)
     flags["IS_VARLEN"] = cu_seqlens is not None
     grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)

@@ -7,12 +7,14 @@ channels of one slot, so the state may be rewritten in place.
 
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.conv.device import state_slot
 from kda_ops.kernels.fast_exp import fast_sigmoid
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
 
 
@@ -207,34 +209,33 @@ def step_sequences_per_program(programs: int, sms: int) -> int:
     return per_program
 
 
-def launch_step(
+def step_launch(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
     state_in: Optional[Tensor],
     state_out: Tensor,
     state_indices: Optional[Tensor],
-    y: Tensor,
-    flags: dict,
-) -> None:
-    """One token per sequence (x ``[N, 1, D]``): one kernel, y and the new state (of
-    ``state_out.shape[-1] >= W - 1`` entries)."""
+    activation: str,
+) -> KernelLaunch:
+    """The launch of one token per sequence (contiguous x ``[N, 1, D]``, weight ``[D, W]``):
+    one kernel that writes a new y (``args["y"]``, x's shape) and the new state into
+    ``state_out`` (``[slots, D, S]``, S >= W - 1, dense; may be ``state_in``)."""
     batch, _, channels = x.shape
     width, kept = weight.shape[1], state_out.shape[-1]
+    args = dict(x=x, weight=weight, bias=bias, state_in=state_in, state_indices=state_indices,
+                y=torch.empty_like(x), state_out=state_out, D=channels, HAS_BIAS=bias is not None,
+                HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None,
+                SILU=activation == "silu")  # fmt: skip
+    writes = ("y", "state_out")
     if width == 4 and channels % 8 == 0 and kept == width - 1:
         # A thread per 8 channels, up to 128 threads (1024 channels) a program.
         groups = min(128, next_power_of_2(channels // 8))
         programs = cdiv(channels // 8, groups) * batch
         per_program = step_sequences_per_program(programs, processors(x.device))
         grid = (cdiv(channels // 8, groups), cdiv(batch, per_program))
-        conv_step_w4_kernel[grid](
-            x, weight, bias, state_in, state_indices, y, state_out, batch,
-            D=channels, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)),
-            **flags,
-        )  # fmt: skip
-        return
+        args.update(batch=batch, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)))
+        return KernelLaunch(conv_step_w4_kernel, grid, args, writes)
     block_d = min(512, next_power_of_2(channels))
-    conv_step_kernel[(cdiv(channels, block_d), batch)](
-        x, weight, bias, state_in, state_indices, y, state_out,
-        D=channels, W=width, S=kept, BD=block_d, BW=next_power_of_2(kept + 1), **flags,
-    )  # fmt: skip
+    args.update(W=width, S=kept, BD=block_d, BW=next_power_of_2(kept + 1))
+    return KernelLaunch(conv_step_kernel, (cdiv(channels, block_d), batch), args, writes)

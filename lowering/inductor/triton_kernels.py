@@ -1,0 +1,184 @@
+"""The last kda pass: on CUDA, a kda op whose kernel is one Triton launch becomes that launch
+as Inductor's own functional Triton-kernel node (``triton_kernel_wrapper_functional``).
+
+A custom-op node in the compiled graph is called from the generated code through the
+dispatcher into the op's Python body, which plans the launch and enters Triton's Python
+launch path: host time that, in a decode step, exceeds what the kernels take on the GPU.
+As a kernel node, Inductor compiles the kernel with the graph and launches it with its own
+launcher, its re-inplacing pass writes a state update into the model's own buffer (as it
+does for ``auto_functionalized``), and an AOTInductor package embeds the kernel.
+
+Lowered, with the op's own launch planning (:mod:`kda_ops.kernels`):
+
+- ``kda.gated_rms_norm``;
+- ``kda.recurrent``, and the in-place ``kda.recurrent_`` under ``auto_functionalized``;
+- the decode step (one token, a dense state) of the in-place conv update
+  ``auto_functionalized(kda.causal_conv1d_update_)``.
+
+The rest stays as the op: float64 (the reference's), CPU, the conv's prefill shapes, a conv
+step on a symbolic batch (its launch plan compares the batch with the SM count), and the
+in-place ops called by the model itself (``auto_functionalized_v2``; the passes write v1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch._inductor.pattern_matcher import (
+    CallFunctionVarArgs,
+    Match,
+    PatternMatcherPass,
+    register_graph_pattern,
+)
+from torch.fx.operator_schemas import normalize_function
+
+import kda_ops  # noqa: F401  (registers torch.ops.kda)
+from kda_ops import kernels
+from lowering.inductor.base import PatternPass
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+Arguments = dict[str, Any]  # an op's arguments by schema name
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How one op becomes its kernel launch: ``fits`` decides on the arguments' values
+    (fake tensors and constants); ``launch`` plans the launch from the traced arguments
+    and ``outputs`` makes the op's outputs from the tensors it writes."""
+
+    fits: Callable[[Arguments], bool]
+    launch: Callable[[Arguments], Any]  # -> kda_ops.kernels.launches.KernelLaunch
+    outputs: Callable[[dict[str, Tensor]], Any]
+
+
+def _on_kernels(args: Arguments) -> bool:
+    """Every tensor argument is on CUDA, and every float one in a dtype the kernels compute
+    (float64 is the oracle's: the op's reference serves it)."""
+    tensors = [v for v in args.values() if isinstance(v, Tensor)]
+    return all(t.is_cuda for t in tensors) and all(
+        t.dtype in KERNEL_DTYPES for t in tensors if t.is_floating_point()
+    )
+
+
+def _conv_step_fits(args: Arguments) -> bool:
+    x, state = args["x"], args["conv_state"]
+    static = all(isinstance(size, int) for size in (*x.shape, *state.shape))
+    return _on_kernels(args) and static and x.shape[1] == 1 and state.is_contiguous()
+
+
+def _gated_rms_norm_launch(args: Arguments):
+    from kda_ops.kernels.gated_norm import gated_rms_norm_launch
+
+    return gated_rms_norm_launch(args["x"], args["gate"], args["weight"], args["eps"],
+                                 args["activation"])  # fmt: skip
+
+
+def _conv_step_launch(args: Arguments):
+    from kda_ops.kernels.conv.step import step_launch
+
+    state = args["conv_state"]
+    return step_launch(args["x"].contiguous(), args["weight"].contiguous(), args["bias"], state,
+                       state, args["state_indices"], args["activation"])  # fmt: skip
+
+
+def _recurrent_launch(args: Arguments, state_in: Optional[Tensor], state_out: Tensor):
+    from kda_ops.kernels.recurrent import recurrent_launch
+
+    return recurrent_launch(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"],
+        args["dt_bias"], state_in, state_out, args.get("state_indices"), args["cu_seqlens"],
+        args["scale"], args["lower_bound"], args["use_qk_l2norm"], args["use_beta_sigmoid"],
+    )  # fmt: skip
+
+
+def _recurrent_functional_launch(args: Arguments):
+    q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = q.new_empty(sequences, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    return _recurrent_launch(args, args["initial_state"], state)
+
+
+def _recurrent_inplace_launch(args: Arguments):
+    return _recurrent_launch(args, args["state_pool"], args["state_pool"])
+
+
+def _output_and_state(output: str, state: str) -> Callable[[dict[str, Tensor]], Any]:
+    return lambda written: (written[output], written[state])
+
+
+LOWERINGS: dict[Any, Lowering] = {
+    torch.ops.kda.gated_rms_norm.default: Lowering(
+        _on_kernels, _gated_rms_norm_launch, lambda written: written["y"]
+    ),
+    torch.ops.kda.recurrent.default: Lowering(
+        _on_kernels, _recurrent_functional_launch, _output_and_state("o", "state_out")
+    ),
+}
+"""Functional ops, lowered where they appear as themselves."""
+
+INPLACE_LOWERINGS: dict[Any, Lowering] = {
+    torch.ops.kda.recurrent_.default: Lowering(
+        _on_kernels, _recurrent_inplace_launch, _output_and_state("o", "state_out")
+    ),
+    torch.ops.kda.causal_conv1d_update_.default: Lowering(
+        _conv_step_fits, _conv_step_launch, _output_and_state("y", "state_out")
+    ),
+}
+"""In-place ops, lowered where they appear under ``auto_functionalized``: the outputs are
+the op's output and the mutated argument's new value, which the launch writes in place."""
+
+
+def _values(args: Arguments) -> Arguments:
+    return {name: v.meta["val"] if isinstance(v, torch.fx.Node) else v
+            for name, v in args.items()}  # fmt: skip
+
+
+def _arguments(node: torch.fx.Node) -> tuple[Optional[Lowering], Arguments]:
+    """The node's lowering (None if it has none) and its op's arguments by name."""
+    if node.target is auto_functionalized:
+        op = node.args[0]
+        return INPLACE_LOWERINGS.get(op), dict(node.kwargs)
+    bound = normalize_function(node.target, node.args, node.kwargs,
+                               normalize_to_only_use_kwargs=True)  # fmt: skip
+    return LOWERINGS.get(node.target), bound.kwargs
+
+
+def _fits(match: Match) -> bool:
+    (node,) = match.nodes
+    lowering, args = _arguments(node)
+    nodes = [v for v in args.values() if isinstance(v, torch.fx.Node)]
+    if lowering is None or not all("val" in n.meta for n in nodes):
+        return False  # not lowered, or an argument without a value to plan from
+    return lowering.fits(_values(args))
+
+
+def _replace(match: Match, *args: Any, **kwargs: Any) -> None:
+    (node,) = match.nodes
+    lowering, arguments = _arguments(node)
+    names = [name for name, v in arguments.items() if isinstance(v, torch.fx.Node)]
+
+    def launched(*tensors: Tensor) -> Any:
+        traced = {**arguments, **dict(zip(names, tensors))}
+        return lowering.outputs(lowering.launch(traced).functional())
+
+    match.replace_by_example(launched, [arguments[n] for n in names], run_functional_passes=False)
+
+
+class TritonKernelsPass(PatternPass):
+    """Replaces the kda ops listed in the module doc by their kernel launches on CUDA."""
+
+    name = "triton_kernels"
+
+    def register(self, patterns: PatternMatcherPass) -> None:
+        if not kernels.AVAILABLE:
+            return
+        for target in (*LOWERINGS, auto_functionalized):
+            words = "an in-place op" if target is auto_functionalized else target._schema.name
+            register_graph_pattern(CallFunctionVarArgs(target), pass_dict=patterns,
+                                   extra_check=self.logged(words, _fits))(_replace)  # fmt: skip

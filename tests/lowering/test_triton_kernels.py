@@ -1,0 +1,205 @@
+"""lowering/inductor/triton_kernels.py: kda ops on CUDA become Inductor's own Triton-kernel
+nodes. On CPU, on graphs of fake CUDA tensors (the rewrite, no code generation); on the GPU,
+compiled models whose generated code launches the kernels itself, against eager."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kda_ops  # noqa: F401  (registers torch.ops.kda)
+from lowering.inductor.triton_kernels import TritonKernelsPass
+from tests.lowering.compiled import compile_kda
+
+KERNEL_NODE = torch.ops.higher_order.triton_kernel_wrapper_functional
+GATED_RMS_NORM = torch.ops.kda.gated_rms_norm.default
+CONV_UPDATE = torch.ops.kda.causal_conv1d_update_.default
+RECURRENT = torch.ops.kda.recurrent.default
+RECURRENT_INPLACE = torch.ops.kda.recurrent_.default
+
+
+def _lowered(fn, *shapes_dtypes, device="cuda") -> tuple[torch.fx.GraphModule, int]:
+    """``fn`` traced on fake tensors of ``(shape, dtype)`` on ``device``, then the pass."""
+    mode = FakeTensorMode()
+    with mode:
+        args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes_dtypes]
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+    with V.set_fake_mode(mode):
+        count = TritonKernelsPass()(gm.graph)
+    return gm, count
+
+
+def _calls(gm: torch.fx.GraphModule, target) -> list[torch.fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def _norm(x, gate, weight):
+    return GATED_RMS_NORM(x, gate, weight, 1e-6, "silu") * 2
+
+
+def _conv_step(x, conv_state, weight):
+    y, new_state = auto_functionalized(
+        CONV_UPDATE, x=x, conv_state=conv_state, weight=weight, bias=None,
+        state_indices=None, activation="silu",
+    )  # fmt: skip
+    return y, new_state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gated_rms_norm_becomes_one_kernel_node_writing_a_new_output(dtype):
+    gm, count = _lowered(_norm, ((4, 64), dtype), ((4, 64), dtype), ((64,), dtype))
+    assert count == 1 and not _calls(gm, GATED_RMS_NORM)
+    (node,) = _calls(gm, KERNEL_NODE)
+    assert node.kwargs["tensors_to_clone"] == ["y"]
+    assert node.kwargs["grid"] == [(1,)]  # 4 rows of 64, 32 rows a program
+    arguments = node.kwargs["kwargs"]
+    assert [arguments[name].op for name in ("x", "gate", "weight")] == ["placeholder"] * 3
+    assert arguments["D"] == 64 and arguments["SILU"] is True and arguments["eps"] == 1e-6
+    (item,) = node.users
+    assert item.target is operator.getitem and item.args[1] == "y"
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.float64)])
+def test_gated_rms_norm_stays_the_op_off_the_kernels(device, dtype):
+    shapes = ((4, 64), dtype), ((4, 64), dtype), ((64,), dtype)
+    gm, count = _lowered(_norm, *shapes, device=device)
+    assert count == 0 and len(_calls(gm, GATED_RMS_NORM)) == 1 and not _calls(gm, KERNEL_NODE)
+
+
+def test_conv_step_writes_the_models_state_through_the_kernel_node():
+    # D = 10: the generic step kernel (the W = 4 one needs D % 8 == 0 and the SM count).
+    shapes = ((3, 1, 10), torch.bfloat16), ((3, 10, 4), torch.bfloat16), ((10, 4), torch.bfloat16)
+    gm, count = _lowered(_conv_step, *shapes)
+    assert count == 1 and not _calls(gm, auto_functionalized)
+    (node,) = _calls(gm, KERNEL_NODE)
+    arguments = node.kwargs["kwargs"]
+    state = arguments["state_out"]
+    # The model's own state (a graph input), read and written: re-inplacing writes it there.
+    assert state.op == "placeholder" and arguments["state_in"] is state
+    assert sorted(node.kwargs["tensors_to_clone"]) == ["state_out", "y"]
+    assert (arguments["W"], arguments["S"]) == (4, 4)  # a W-column state, transformers'
+
+
+def _recurrent_inputs(dtype, heads=2, value_heads=4, dim=16):
+    """q, k [B, 1, H, K], v [B, 1, HV, V], g [B, 1, HV, K], beta [B, 1, HV], state fp32."""
+    return [((3, 1, heads, dim), dtype), ((3, 1, heads, dim), dtype),
+            ((3, 1, value_heads, dim), dtype), ((3, 1, value_heads, dim), dtype),
+            ((3, 1, value_heads), dtype), ((3, value_heads, dim, dim), torch.float32)]  # fmt: skip
+
+
+def _recurrent(q, k, v, g, beta, state):
+    return RECURRENT(q, k, v, g, beta, None, None, state, None, 0.25, None, True, True)
+
+
+def _recurrent_inplace(q, k, v, g, beta, state):
+    o, new_state = auto_functionalized(
+        RECURRENT_INPLACE, q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None,
+        state_pool=state, state_indices=None, cu_seqlens=None, scale=0.25, lower_bound=None,
+        use_qk_l2norm=True, use_beta_sigmoid=True,
+    )  # fmt: skip
+    return o, new_state
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_recurrent_writes_a_new_float32_state(dtype):
+    gm, count = _lowered(_recurrent, *_recurrent_inputs(dtype))
+    assert count == 1 and not _calls(gm, RECURRENT)
+    (node,) = _calls(gm, KERNEL_NODE)
+    arguments = node.kwargs["kwargs"]
+    assert arguments["state_in"].op == "placeholder"
+    written = arguments["state_out"]
+    assert written.op != "placeholder" and written.meta["val"].dtype == torch.float32
+    assert written.meta["val"].shape == (3, 4, 16, 16)
+    assert sorted(node.kwargs["tensors_to_clone"]) == ["o", "state_out"]
+    assert node.kwargs["grid"] == [(1, 12)]  # V = 16 in one block, 3 sequences x 4 heads
+
+
+def test_recurrent_inplace_reads_and_writes_the_models_pool():
+    gm, count = _lowered(_recurrent_inplace, *_recurrent_inputs(torch.bfloat16))
+    assert count == 1 and not _calls(gm, auto_functionalized)
+    (node,) = _calls(gm, KERNEL_NODE)
+    arguments = node.kwargs["kwargs"]
+    assert (
+        arguments["state_out"].op == "placeholder"
+        and arguments["state_in"] is arguments["state_out"]
+    )
+
+
+def test_recurrent_in_float64_stays_the_op():
+    gm, count = _lowered(_recurrent, *_recurrent_inputs(torch.float64)[:5],
+                         ((3, 4, 16, 16), torch.float64))  # fmt: skip
+    assert count == 0 and len(_calls(gm, RECURRENT)) == 1
+
+
+def test_conv_prefill_stays_the_op():
+    shapes = ((3, 5, 10), torch.bfloat16), ((3, 10, 3), torch.bfloat16), ((10, 4), torch.bfloat16)
+    gm, count = _lowered(_conv_step, *shapes)
+    assert count == 0 and len(_calls(gm, auto_functionalized)) == 1
+
+
+# GPU: whole compiles, generated code launching the kernels.
+
+
+def _transformers_style_block(x, gate, norm_weight, u, conv_state, conv_weight):
+    """Qwen3-Next's gated norm and transformers' conv update, as they write them."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = norm_weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+    normed = normed * F.silu(gate.float())
+    state_len = conv_state.shape[-1]
+    window = torch.cat([conv_state, u], dim=-1)
+    conv_state.copy_(window[:, :, -state_len:])
+    out = F.conv1d(window, conv_weight.unsqueeze(1), None, padding=0, groups=u.shape[1])
+    return normed.to(x.dtype), F.silu(out[:, :, -u.shape[-1] :]).to(u.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [64, 10])  # the W = 4 vector kernel, the generic one
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_block_launches_the_kernels_in_place(dtype, channels):
+    device, batch, width = "cuda", 5, 4
+    x, gate = (torch.randn(batch, 64, device=device, dtype=dtype) for _ in range(2))
+    norm_weight = torch.randn(64, device=device, dtype=dtype)
+    u = torch.randn(batch, channels, 1, device=device, dtype=dtype)
+    conv_state = torch.randn(batch, channels, width, device=device, dtype=dtype)
+    conv_weight = torch.randn(channels, width, device=device, dtype=dtype)
+    expected_state = conv_state.clone()
+    expected = _transformers_style_block(x, gate, norm_weight, u, expected_state, conv_weight)
+    address = conv_state.data_ptr()
+    out, counts, code = compile_kda(
+        _transformers_style_block, x, gate, norm_weight, u, conv_state, conv_weight
+    )
+    assert counts == {"gated_rms_norm_transformers": 1, "conv_update_transformers": 1,
+                      "triton_kernels": 2}  # fmt: skip
+    assert "torch.ops.kda" not in code  # no op call: the kernels are launched directly
+    assert "gated_rms_norm_kernel" in code and "conv_step" in code
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert conv_state.data_ptr() == address
+    torch.testing.assert_close(conv_state, expected_state, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_hybrid_inplace_decode_launches_every_kernel_itself():
+    from tests.examples.cases import BATCH, assert_caches_close, clone_cache, tiny_model, token_ids
+
+    model, ids = tiny_model(device="cuda"), token_ids(7, device="cuda")
+    _, cache = model.prefill(ids[:, :6], model.new_cache(BATCH))
+    expected_cache = clone_cache(cache)
+    expected = model.decode_(ids[:, 6:], expected_cache)
+    addresses = [t.data_ptr() for state in cache for t in state]
+    logits, counts, code = compile_kda(model.decode_, ids[:, 6:], cache)
+    layers = model.config.kda_layer_count
+    # Per KDA layer: the recurrence, three conv steps and the gated norm.
+    assert counts["triton_kernels"] == 5 * layers
+    assert "torch.ops.kda" not in code
+    torch.testing.assert_close(logits, expected)
+    assert_caches_close(cache, expected_cache)
+    assert [t.data_ptr() for state in cache for t in state] == addresses
