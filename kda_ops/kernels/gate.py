@@ -8,6 +8,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kda_ops.kernels.fast_exp import fast_exp, fast_log, fast_sigmoid
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -64,19 +65,28 @@ def kda_gate_kernel(
     tl.store(out + offsets, gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND), mask=mask)
 
 
-def launch_kda_gate(
+def gate_launch(
     g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor], lower_bound: Optional[float]
-) -> Tensor:
-    """g ``[..., HV, K]`` -> float32 log-decay of g's shape."""
+) -> KernelLaunch:
+    """The gate kernel's launch for g ``[..., HV, K]``, writing a new float32 log-decay of
+    g's shape (``args["out"]``)."""
     g = g.contiguous()
-    out = torch.empty_like(g, dtype=torch.float32)
     heads, channels = g.shape[-2], g.shape[-1]
     n_rows = g.numel() // channels if channels else 0
     block_k = next_power_of_2(channels)
     rows = max(1, min(128, 8192 // block_k))
-    kda_gate_kernel[(cdiv(n_rows, rows),)](
-        g, A_log, dt_bias, 0.0 if lower_bound is None else lower_bound, n_rows, out,
-        HV=heads, K=channels, BK=block_k, ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None,
-    )  # fmt: skip
-    return out
+    args = dict(g=g, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=0.0 if lower_bound is None else lower_bound, n_rows=n_rows,
+                out=torch.empty_like(g, dtype=torch.float32), HV=heads, K=channels, BK=block_k,
+                ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
+                USE_LOWER_BOUND=lower_bound is not None)  # fmt: skip
+    return KernelLaunch(kda_gate_kernel, (cdiv(n_rows, rows),), args, writes=("out",))
+
+
+def launch_kda_gate(
+    g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor], lower_bound: Optional[float]
+) -> Tensor:
+    """g ``[..., HV, K]`` -> float32 log-decay of g's shape."""
+    launch = gate_launch(g, A_log, dt_bias, lower_bound)
+    launch.run()
+    return launch.args["out"]

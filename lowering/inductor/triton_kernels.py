@@ -10,7 +10,7 @@ does for ``auto_functionalized``), and an AOTInductor package embeds the kernel.
 
 Lowered, with the op's own launch planning (:mod:`kda_ops.kernels`):
 
-- ``kda.gated_rms_norm``;
+- ``kda.gated_rms_norm`` and ``kda.gate``;
 - ``kda.recurrent``, and the in-place ``kda.recurrent_`` under ``auto_functionalized``;
 - the decode step (one token, a dense state) of the in-place conv update
   ``auto_functionalized(kda.causal_conv1d_update_)``.
@@ -79,6 +79,12 @@ def _gated_rms_norm_launch(args: Arguments):
                                  args["activation"])  # fmt: skip
 
 
+def _gate_launch(args: Arguments):
+    from kda_ops.kernels.gate import gate_launch
+
+    return gate_launch(args["g"], args["A_log"], args["dt_bias"], args["lower_bound"])
+
+
 def _conv_step_launch(args: Arguments):
     from kda_ops.kernels.conv.step import step_launch
 
@@ -116,6 +122,7 @@ LOWERINGS: dict[Any, Lowering] = {
     torch.ops.kda.gated_rms_norm.default: Lowering(
         _on_kernels, _gated_rms_norm_launch, lambda written: written["y"]
     ),
+    torch.ops.kda.gate.default: Lowering(_on_kernels, _gate_launch, lambda written: written["out"]),
     torch.ops.kda.recurrent.default: Lowering(
         _on_kernels, _recurrent_functional_launch, _output_and_state("o", "state_out")
     ),

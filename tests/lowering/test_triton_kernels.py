@@ -14,7 +14,7 @@ from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kda_ops  # noqa: F401  (registers torch.ops.kda)
+import kda_ops
 from lowering.inductor.triton_kernels import TritonKernelsPass
 from tests.lowering.compiled import compile_kda
 
@@ -138,6 +138,18 @@ def test_recurrent_in_float64_stays_the_op():
     assert count == 0 and len(_calls(gm, RECURRENT)) == 1
 
 
+def test_gate_becomes_one_kernel_node_writing_float32():
+    def gate(g, A_log, dt_bias):
+        return torch.ops.kda.gate.default(g, A_log, dt_bias, -5.0)
+
+    shapes = ((2, 3, 4, 16), torch.bfloat16), ((4,), torch.float32), ((64,), torch.float32)
+    gm, count = _lowered(gate, *shapes)
+    assert count == 1
+    (node,) = _calls(gm, KERNEL_NODE)
+    assert node.kwargs["tensors_to_clone"] == ["out"]
+    assert node.kwargs["kwargs"]["out"].meta["val"].dtype == torch.float32
+
+
 def test_conv_prefill_stays_the_op():
     shapes = ((3, 5, 10), torch.bfloat16), ((3, 10, 3), torch.bfloat16), ((10, 4), torch.bfloat16)
     gm, count = _lowered(_conv_step, *shapes)
@@ -203,3 +215,28 @@ def test_hybrid_inplace_decode_launches_every_kernel_itself():
     torch.testing.assert_close(logits, expected)
     assert_caches_close(cache, expected_cache)
     assert [t.data_ptr() for state in cache for t in state] == addresses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_gate_and_recurrence_launch_the_kernels(dtype):
+    """A decode step as a model calls the public functions: the gate, then the recurrence."""
+    batch, heads, dim = 3, 4, 32
+    q, k, v, g = (torch.randn(batch, 1, heads, dim, device="cuda", dtype=dtype) for _ in range(4))
+    beta = torch.rand(batch, 1, heads, device="cuda", dtype=dtype)
+    A_log = torch.rand(heads, device="cuda")
+    state = torch.randn(batch, heads, dim, dim, device="cuda")
+
+    def step(q, k, v, g, beta, A_log, state):
+        decay = kda_ops.kda_gate(g, A_log, lower_bound=-5.0)
+        return kda_ops.fused_recurrent_kda(
+            q, k, v, decay, beta, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    expected = step(q, k, v, g, beta, A_log, state)
+    out, counts, code = compile_kda(step, q, k, v, g, beta, A_log, state)
+    assert counts == {"triton_kernels": 2} and "torch.ops.kda" not in code
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
