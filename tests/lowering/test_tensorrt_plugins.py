@@ -1,7 +1,8 @@
 """lowering.tensorrt_plugins: the QDP descriptor logic (output shapes and dtypes, kernel
 config, launch grid, int32 scalars) drives every plugin kernel, launched as TensorRT's AOT
-launcher would (named I/O, NaN-filled outputs, baked constexprs) under the Triton
-interpreter, to the reference's results (CPU); the same logic evaluates over symbolic dims
+launcher would (NaN-filled outputs, baked constexprs): on a GPU their PTX through the CUDA
+driver with TensorRT's argument list, on the CPU under the Triton interpreter, to the
+reference's results; the same logic evaluates over symbolic dims
 using only the operators TensorRT's ``ShapeExpr`` has; registration and engine building
 need TensorRT and skip without it."""
 
@@ -22,6 +23,7 @@ import torch
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import reference
 from lowering import tensorrt_plugins as qdp
+from lowering.tensorrt import compile_for_tensorrt
 
 HEADS, HEAD_K, HEAD_V, CHANNELS, WIDTH = 2, 16, 16, 8, 4
 DELTA_ATTRS = dict(scale=HEAD_K**-0.5, lower_bound=-5.0, use_gate=1, use_lower_bound=1,
@@ -30,9 +32,9 @@ DELTA_ATTRS = dict(scale=HEAD_K**-0.5, lower_bound=-5.0, use_gate=1, use_lower_b
 
 def launch_like_tensorrt(name: str, inputs: dict, attrs: dict) -> dict[str, torch.Tensor]:
     """Run plugin ``name``'s kernel with everything TensorRT would take from the plugin
-    definition: output buffers (NaN, never zeroed), grid, int32 scalars, constexprs."""
-    if torch.cuda.is_available():  # no interpreter there: Triton rejects CPU tensors
-        pytest.skip("CPU tensors through Triton's interpreter; CI runs these without a GPU")
+    definition: output buffers (NaN, never zeroed), grid, int32 scalars, constexprs. On a
+    GPU its PTX as ``aot_impl`` returns it, launched through the CUDA driver; without one
+    the kernel through Triton's interpreter (how CI runs these)."""
     spec = qdp.SPECS[name]
     shapes = {n: tuple(t.shape) for n, t in inputs.items()}
     config = qdp.kernel_config(name, shapes, attrs, "float32")
@@ -41,12 +43,47 @@ def launch_like_tensorrt(name: str, inputs: dict, attrs: dict) -> dict[str, torc
         like = spec.outputs[out].like
         dtype = torch.float32 if like is None else inputs[like].dtype
         outputs[out] = torch.full(shape, math.nan, dtype=dtype)
+    grid = qdp.launch_grid(name, shapes, config)
+    if torch.cuda.is_available():
+        return _launch_ptx(name, config, grid, inputs, outputs)
     ints = dict(zip(spec.kernel.int_args, qdp.int_args(name, shapes)))
     arguments = {**inputs, **ints, **outputs, **spec.kernel.constexprs(config),
                  **dict.fromkeys(spec.kernel.absent)}  # fmt: skip
-    grid = qdp.launch_grid(name, shapes, config)
     spec.kernel.kernel[grid](**arguments, num_warps=spec.kernel.warps(config))
     return outputs
+
+
+def _launch_ptx(name: str, config: dict, grid: tuple, inputs: dict, outputs: dict) -> dict:
+    """TensorRT's AOT launch: the PTX, grid, block and shared memory ``aot_impl`` gives,
+    and the argument list input pointers, int32 scalars, output pointers, two null scratch
+    pointers (in plugin order); outputs come back on the CPU."""
+    import ctypes
+
+    driver = pytest.importorskip("cuda.bindings.driver")
+    kernel = qdp.SPECS[name].kernel
+    on_gpu = {n: t.cuda() for n, t in inputs.items()}
+    written = {n: t.cuda() for n, t in outputs.items()}
+    compiled = compile_for_tensorrt(kernel, "float32", config)
+    module = _driver_call(driver.cuModuleLoadData(compiled.asm["ptx"].encode() + b"\0"))
+    function = _driver_call(driver.cuModuleGetFunction(module, compiled.metadata.name.encode()))
+    shapes = {n: tuple(t.shape) for n, t in inputs.items()}
+    args = [
+        *(ctypes.c_void_p(on_gpu[n].data_ptr()) for n in kernel.inputs),
+        *(ctypes.c_int32(v) for v in qdp.int_args(name, shapes)),
+        *(ctypes.c_void_p(written[n].data_ptr()) for n in kernel.outputs),
+        ctypes.c_void_p(0), ctypes.c_void_p(0),
+    ]  # fmt: skip
+    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    _driver_call(driver.cuLaunchKernel(function, *grid, 32 * kernel.warps(config), 1, 1,
+                                       compiled.metadata.shared, 0, pointers, 0))  # fmt: skip
+    torch.cuda.synchronize()
+    return {n: t.cpu() for n, t in written.items()}
+
+
+def _driver_call(result: tuple) -> object:
+    error, *values = result
+    assert int(error) == 0, error
+    return values[0] if len(values) == 1 else values
 
 
 def _delta_inputs(batch: int, length: int) -> dict[str, torch.Tensor]:
