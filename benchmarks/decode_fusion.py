@@ -82,16 +82,23 @@ def bench_model(name: str, batch: int, rounds: int, results: Results) -> None:
                 calls[backend]()
             fused[backend] = {n: c for n, c in PASS_MANAGER.counts.items() if c}
         timers = {"decode step": time_ms, "decode step, CUDA-graph replay": graph_timer}
-        times = {metric: rotated_rounds(calls, rounds, timer) for metric, timer in timers.items()}
+        errors: dict[str, str] = {}
+        times = {metric: rotated_rounds(calls, rounds, timer, errors)
+                 for metric, timer in timers.items()}  # fmt: skip
     case = f"{name} B={batch}"
     cells = []
     for metric, by_backend in times.items():
+        if set(by_backend) != {"kda", "inductor"}:  # a capture failed: no ratio to give
+            cells.append(" | ".join(["-"] * 3))
+            continue
         kda, stock = (statistics.median(by_backend[b]) * 1e3 for b in ("kda", "inductor"))
         spread = {b: f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}" for b, v in by_backend.items()}
         cells.append(f"{kda:.1f} [{spread['kda']}] | {stock:.1f} [{spread['inductor']}] "
                      f"| {kda / stock:.3f}")  # fmt: skip
         results.add([row(case, f"torch.compile(backend={b!r})", metric, [t * 1e3 for t in v],
                          "us", fused=fused[b]) for b, v in by_backend.items()])  # fmt: skip
+    for backend, error in errors.items():
+        print(f"{case} {backend}: {error}", flush=True)
     print(f"| {case} | {' | '.join(cells)} | {fused['kda']} |", flush=True)
 
 
