@@ -49,7 +49,7 @@ class KernelLaunch:
         outputs = triton_kernel_wrapper_functional(
             kernel_idx=kernel_side_table.add_kernel(_with_options(self.kernel, options)),
             constant_args_idx=kernel_side_table.add_constant_args(constants),
-            grid=[self.grid],
+            grid=[(*self.grid, *(1,) * (3 - len(self.grid)))],  # Inductor's launchers take 3
             tma_descriptor_metadata={},
             kwargs=traced,
             tensors_to_clone=list(self.writes),

@@ -39,7 +39,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import kernels
-from lowering.inductor.base import PatternPass
+from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -189,3 +189,12 @@ class TritonKernelsPass(PatternPass):
             words = "an in-place op" if target is auto_functionalized else target._schema.name
             register_graph_pattern(CallFunctionVarArgs(target), pass_dict=patterns,
                                    extra_check=self.logged(words, _fits))(_replace)  # fmt: skip
+
+    def uuid(self) -> str:
+        """Hash of this file, the base and the launch planning it traces: a cached graph
+        holds the launches as they were planned."""
+        from kda_ops.kernels import gate, gated_norm, launches, recurrent
+        from kda_ops.kernels.conv import step
+
+        return source_hash(type(self), KDAInductorPass, launches, gated_norm, gate, recurrent,
+                           step)  # fmt: skip

@@ -8,7 +8,6 @@ import operator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -58,7 +57,7 @@ def test_gated_rms_norm_becomes_one_kernel_node_writing_a_new_output(dtype):
     assert count == 1 and not _calls(gm, GATED_RMS_NORM)
     (node,) = _calls(gm, KERNEL_NODE)
     assert node.kwargs["tensors_to_clone"] == ["y"]
-    assert node.kwargs["grid"] == [(1,)]  # 4 rows of 64, 32 rows a program
+    assert node.kwargs["grid"] == [(1, 1, 1)]  # 4 rows of 64, 32 rows a program
     arguments = node.kwargs["kwargs"]
     assert [arguments[name].op for name in ("x", "gate", "weight")] == ["placeholder"] * 3
     assert arguments["D"] == 64 and arguments["SILU"] is True and arguments["eps"] == 1e-6
@@ -118,7 +117,7 @@ def test_recurrent_writes_a_new_float32_state(dtype):
     assert written.op != "placeholder" and written.meta["val"].dtype == torch.float32
     assert written.meta["val"].shape == (3, 4, 16, 16)
     assert sorted(node.kwargs["tensors_to_clone"]) == ["o", "state_out"]
-    assert node.kwargs["grid"] == [(1, 12)]  # V = 16 in one block, 3 sequences x 4 heads
+    assert node.kwargs["grid"] == [(1, 12, 1)]  # V = 16 in one block, 3 sequences x 4 heads
 
 
 def test_recurrent_inplace_reads_and_writes_the_models_pool():
@@ -159,34 +158,29 @@ def test_conv_prefill_stays_the_op():
 # GPU: whole compiles, generated code launching the kernels.
 
 
-def _transformers_style_block(x, gate, norm_weight, u, conv_state, conv_weight):
-    """Qwen3-Next's gated norm and transformers' conv update, as they write them."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    normed = norm_weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
-    normed = normed * F.silu(gate.float())
-    state_len = conv_state.shape[-1]
-    window = torch.cat([conv_state, u], dim=-1)
-    conv_state.copy_(window[:, :, -state_len:])
-    out = F.conv1d(window, conv_weight.unsqueeze(1), None, padding=0, groups=u.shape[1])
-    return normed.to(x.dtype), F.silu(out[:, :, -u.shape[-1] :]).to(u.dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels", [64, 10])  # the W = 4 vector kernel, the generic one
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_block_launches_the_kernels_in_place(dtype, channels):
+def test_compiled_transformers_block_launches_the_kernels_in_place(dtype, channels):
+    """Qwen3-Next's gated norm module and transformers' conv update, as the model runs them."""
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    conv_update = getattr(modeling.causal_conv1d_update, "__wrapped__",
+                          modeling.causal_conv1d_update)  # fmt: skip
     device, batch, width = "cuda", 5, 4
+    norm = modeling.Qwen3NextRMSNormGated(64, eps=1e-6).to(device, dtype)
     x, gate = (torch.randn(batch, 64, device=device, dtype=dtype) for _ in range(2))
-    norm_weight = torch.randn(64, device=device, dtype=dtype)
     u = torch.randn(batch, channels, 1, device=device, dtype=dtype)
     conv_state = torch.randn(batch, channels, width, device=device, dtype=dtype)
     conv_weight = torch.randn(channels, width, device=device, dtype=dtype)
+
+    def block(x, gate, u, conv_state, conv_weight):
+        return norm(x, gate), conv_update(u, conv_state, conv_weight, None, "silu")
+
     expected_state = conv_state.clone()
-    expected = _transformers_style_block(x, gate, norm_weight, u, expected_state, conv_weight)
-    address = conv_state.data_ptr()
-    out, counts, code = compile_kda(
-        _transformers_style_block, x, gate, norm_weight, u, conv_state, conv_weight
-    )
+    with torch.no_grad():
+        expected = block(x, gate, u, expected_state, conv_weight)
+        address = conv_state.data_ptr()
+        out, counts, code = compile_kda(block, x, gate, u, conv_state, conv_weight)
     assert counts == {"gated_rms_norm_transformers": 1, "conv_update_transformers": 1,
                       "triton_kernels": 2}  # fmt: skip
     assert "torch.ops.kda" not in code  # no op call: the kernels are launched directly
