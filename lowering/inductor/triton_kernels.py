@@ -39,6 +39,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import kernels
+from kda_ops.kernels.launches import KernelLaunch
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,7 +54,7 @@ class Lowering:
     and ``outputs`` makes the op's outputs from the tensors it writes."""
 
     fits: Callable[[Arguments], bool]
-    launch: Callable[[Arguments], Any]  # -> kda_ops.kernels.launches.KernelLaunch
+    launch: Callable[[Arguments], KernelLaunch]
     outputs: Callable[[dict[str, Tensor]], Any]
 
 
@@ -72,20 +73,20 @@ def _conv_step_fits(args: Arguments) -> bool:
     return _on_kernels(args) and static and x.shape[1] == 1 and state.is_contiguous()
 
 
-def _gated_rms_norm_launch(args: Arguments):
+def _gated_rms_norm_launch(args: Arguments) -> KernelLaunch:
     from kda_ops.kernels.gated_norm import gated_rms_norm_launch
 
     return gated_rms_norm_launch(args["x"], args["gate"], args["weight"], args["eps"],
                                  args["activation"])  # fmt: skip
 
 
-def _gate_launch(args: Arguments):
+def _gate_launch(args: Arguments) -> KernelLaunch:
     from kda_ops.kernels.gate import gate_launch
 
     return gate_launch(args["g"], args["A_log"], args["dt_bias"], args["lower_bound"])
 
 
-def _conv_step_launch(args: Arguments):
+def _conv_step_launch(args: Arguments) -> KernelLaunch:
     from kda_ops.kernels.conv.step import step_launch
 
     state = args["conv_state"]
@@ -93,7 +94,9 @@ def _conv_step_launch(args: Arguments):
                        state, args["state_indices"], args["activation"])  # fmt: skip
 
 
-def _recurrent_launch(args: Arguments, state_in: Optional[Tensor], state_out: Tensor):
+def _recurrent_launch(
+    args: Arguments, state_in: Optional[Tensor], state_out: Tensor
+) -> KernelLaunch:
     from kda_ops.kernels.recurrent import recurrent_launch
 
     return recurrent_launch(
@@ -103,14 +106,14 @@ def _recurrent_launch(args: Arguments, state_in: Optional[Tensor], state_out: Te
     )  # fmt: skip
 
 
-def _recurrent_functional_launch(args: Arguments):
+def _recurrent_functional_launch(args: Arguments) -> KernelLaunch:
     q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
     sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = q.new_empty(sequences, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
     return _recurrent_launch(args, args["initial_state"], state)
 
 
-def _recurrent_inplace_launch(args: Arguments):
+def _recurrent_inplace_launch(args: Arguments) -> KernelLaunch:
     return _recurrent_launch(args, args["state_pool"], args["state_pool"])
 
 
