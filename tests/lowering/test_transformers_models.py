@@ -1,5 +1,5 @@
-"""Unchanged tiny transformers Qwen3-Next and Kimi Linear models (no
-``kda_ops.integrations.enable()``) under ``torch.compile(backend="kda", fullgraph=True)``:
+"""Unchanged tiny transformers Qwen3-Next, Kimi Linear and GLM5-next (its text model) models
+(no ``kda_ops.integrations.enable()``) under ``torch.compile(backend="kda", fullgraph=True)``:
 one decode token after an eager prefill, every conv update and every gated norm fused,
 logits and cache as eager's. transformers' PyTorch kernels stand in for FLA's, which
 cannot run on CPU (tests.kda_ops.integrations.models.transformers_reference)."""
@@ -38,17 +38,41 @@ def kimi_linear() -> torch.nn.Module:
     return _build(transformers.KimiLinearForCausalLM, config)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "kimi_linear"])
+def glm5_next() -> torch.nn.Module:
+    """GLM5-next's text model (no causal-LM head of its own): KDA layers around a DSA
+    (indexed, NoPE) attention layer, dense MLPs, two hyper-connection streams."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+    config = transformers.Glm5NextTextConfig(
+        **{**COMMON, "layer_types": ["linear_attention", "indexed_attention", "linear_attention"]},
+        moe_intermediate_size=32, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16,
+        linear_num_heads=2, mlp_layer_types=["dense"] * 3, index_head_dim=16, index_n_heads=2,
+        index_topk=16, hc_mult=2,
+    )  # fmt: skip
+    return _build(Glm5NextTextModel, config)
+
+
+MODELS = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear, "glm5_next": glm5_next}
+
+
+def _output(result: object) -> torch.Tensor:
+    """Logits, or the last hidden state of a model without a head."""
+    logits = getattr(result, "logits", None)
+    return result.last_hidden_state if logits is None else logits
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_unchanged_model_decode_fuses_every_conv_update_and_gated_norm(name):
-    model = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}[name]()
+    model = MODELS[name]()
     ids = torch.randint(3, 64, (2, 6))
     with transformers_reference(name), torch.no_grad():
         cache = model(ids[:, :5], use_cache=True).past_key_values
         eager_cache = copy.deepcopy(cache)
-        expected = model(ids[:, 5:], past_key_values=eager_cache, use_cache=True).logits
+        expected = _output(model(ids[:, 5:], past_key_values=eager_cache, use_cache=True))
 
         def decode(token, cache):
-            return model(token, past_key_values=cache, use_cache=True).logits
+            return _output(model(token, past_key_values=cache, use_cache=True))
 
         logits, counts, _ = compile_kda(decode, ids[:, 5:], cache)
     layers = len(LINEAR_LAYERS)

@@ -56,6 +56,7 @@ def _build(model_class: type, config: object) -> torch.nn.Module:
 
 
 MODEL_FILES = {
+    "glm5_next": "transformers.models.glm5_next.modeling_glm5_next",
     "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
 }
