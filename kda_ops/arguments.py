@@ -126,6 +126,17 @@ def state_dtype(inputs: Tensor) -> torch.dtype:
     return torch.float64 if inputs.dtype == torch.float64 else torch.float32
 
 
+def final_state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, ...]:
+    """``[N, HV, K, V]``: the delta rule's final state shape (N sequences)."""
+    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (n_seqs, v.shape[2], q.shape[3], v.shape[3])
+
+
+def new_final_state(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """An uninitialized final state: :func:`final_state_shape`, :func:`state_dtype`."""
+    return q.new_empty(final_state_shape(q, v, cu_seqlens), dtype=state_dtype(q))
+
+
 def initial_state(state: object, inputs: object) -> object:
     """FLA's callers pass fp16 / bf16 initial states too: the ops take fp32 (fp64 for fp64
     inputs); other values are left to the checks."""

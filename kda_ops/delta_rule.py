@@ -74,15 +74,7 @@ def _delta_rule_fake(
     q, v = inputs.q, inputs.v
     torch._check(inputs.k.shape == q.shape)
     torch._check(v.shape[2] % q.shape[2] == 0)
-    return v.new_empty(v.shape), q.new_empty(
-        _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
-    )
-
-
-def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[int, ...]:
-    """``[N, HV, K, V]``: the final state's shape (N sequences)."""
-    n_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return (n_seqs, v.shape[2], q.shape[3], v.shape[3])
+    return v.new_empty(v.shape), arguments.new_final_state(q, v, cu_seqlens)
 
 
 def delta_rule_backward_reference(
@@ -131,7 +123,7 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
         grad_o = torch.zeros_like(v)
     if grad_final_state is None:
         grad_final_state = q.new_zeros(
-            _state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
+            arguments.final_state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
         )
     cotangents = (grad_o, grad_final_state)
     if kept:
@@ -387,7 +379,7 @@ if kernels.AVAILABLE:
     @cuda_kernel(recurrent_op, runs=recurrent_kernel_runs)
     def _(inputs, initial_state, cu_seqlens, options):
         q, v = inputs.q, inputs.v
-        state = q.new_empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32)
+        state = arguments.new_final_state(q, v, cu_seqlens)
         o = launch_recurrent_kda(*inputs, initial_state, state, None, cu_seqlens, *options)
         return o, state
 
@@ -736,7 +728,7 @@ def fused_recurrent_kda_inplace(
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    n_seqs = _state_shape(q, v, cu_seqlens)[0]
+    n_seqs = arguments.final_state_shape(q, v, cu_seqlens)[0]
     check.state_pool(state_pool, state_indices, n_seqs, q, v, allow_bf16=True)
     o = recurrent_inplace_op(*inputs, state_pool, state_indices, cu_seqlens, *options)
     return o.to(output_dtype)

@@ -38,7 +38,7 @@ from torch._inductor.pattern_matcher import (
 from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
-from kda_ops import kernels
+from kda_ops import arguments, kernels
 from kda_ops.kernels.launches import KernelLaunch
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
 
@@ -90,8 +90,8 @@ def _conv_step_launch(args: Arguments) -> KernelLaunch:
     from kda_ops.kernels.conv.step import step_launch
 
     state = args["conv_state"]
-    return step_launch(args["x"].contiguous(), args["weight"].contiguous(), args["bias"], state,
-                       state, args["state_indices"], args["activation"])  # fmt: skip
+    return step_launch(args["x"], args["weight"], args["bias"], state, state,
+                       args["state_indices"], args["activation"])  # fmt: skip
 
 
 def _recurrent_launch(
@@ -107,9 +107,7 @@ def _recurrent_launch(
 
 
 def _recurrent_functional_launch(args: Arguments) -> KernelLaunch:
-    q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
-    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = q.new_empty(sequences, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    state = arguments.new_final_state(args["q"], args["v"], args["cu_seqlens"])
     return _recurrent_launch(args, args["initial_state"], state)
 
 

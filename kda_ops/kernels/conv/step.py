@@ -218,9 +218,10 @@ def step_launch(
     state_indices: Optional[Tensor],
     activation: str,
 ) -> KernelLaunch:
-    """The launch of one token per sequence (contiguous x ``[N, 1, D]``, weight ``[D, W]``):
-    one kernel that writes a new y (``args["y"]``, x's shape) and the new state into
-    ``state_out`` (``[slots, D, S]``, S >= W - 1, dense; may be ``state_in``)."""
+    """The launch of one token per sequence (x ``[N, 1, D]``, weight ``[D, W]``): one kernel
+    that writes a new y (``args["y"]``, x's shape) and the new state into ``state_out``
+    (``[slots, D, S]``, S >= W - 1, dense; may be ``state_in``)."""
+    x, weight = x.contiguous(), weight.contiguous()
     batch, _, channels = x.shape
     width, kept = weight.shape[1], state_out.shape[-1]
     args = dict(x=x, weight=weight, bias=bias, state_in=state_in, state_indices=state_indices,
