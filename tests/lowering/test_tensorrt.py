@@ -2,7 +2,6 @@
 TensorRT's AOT launcher uses (CPU); the PTX, loaded through the CUDA driver and launched
 with exactly that argument list and grid, matches the reference (GPU)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,6 +14,7 @@ import torch
 
 from kda_ops import reference
 from lowering import tensorrt as trt_kernels
+from tests.lowering.ptx_launch import launch_ptx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The tiny hybrid model's dims (tests/examples/cases.py): 2 heads x 16, conv width 4.
@@ -104,45 +104,20 @@ def test_signature_rejects_unknown_dtype():
         trt_kernels.PLUGINS["gate"].signature("int8", CONFIG)
 
 
-def _driver():
-    if importlib.util.find_spec("cuda") is None:
-        pytest.skip("cuda-python is not installed")
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result):
-    error, *values = result
-    assert int(error) == 0, error
-    return values[0] if len(values) == 1 else values
-
-
 @pytest.mark.gpu
 def test_gated_rms_norm_and_recurrent_ptx_launched_like_tensorrt_match_reference():
     """Launch the PTX through the CUDA driver with TensorRT's argument list: input
     pointers, int32 scalars, output pointers, two null scratch pointers."""
-    import ctypes
-
-    driver = _driver()
     torch.cuda.init()
     cases = _gpu_cases()
     for name, (inputs, outputs, expected) in cases.items():
         plugin = trt_kernels.PLUGINS[name]
-        compiled = plugin.compile("float16", CONFIG)
-        module = _check(driver.cuModuleLoadData(compiled.asm["ptx"].encode() + b"\0"))
-        function = _check(driver.cuModuleGetFunction(module, compiled.metadata.name.encode()))
         shapes = {n: tuple(t.shape) for n, t in inputs.items()}
-        pointers = [ctypes.c_void_p(t.data_ptr()) for t in inputs.values()]
-        ints = [ctypes.c_int32(v) for v in plugin.launch_args(shapes)]
-        out_pointers = [ctypes.c_void_p(t.data_ptr()) for t in outputs.values()]
-        scratch = [ctypes.c_void_p(0), ctypes.c_void_p(0)]
-        args = [*pointers, *ints, *out_pointers, *scratch]
-        arg_array = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         grid = plugin.grid(shapes, plugin.constexprs(CONFIG))
-        _check(driver.cuLaunchKernel(function, *grid, 32 * plugin.warps(CONFIG), 1, 1,
-                                     compiled.metadata.shared, 0, arg_array, 0))  # fmt: skip
-        torch.cuda.synchronize()
+        launch_ptx(
+            plugin.compile("float16", CONFIG), grid, 32 * plugin.warps(CONFIG),
+            list(inputs.values()), plugin.launch_args(shapes), list(outputs.values()),
+        )  # fmt: skip
         for got, want in zip(outputs.values(), expected):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 

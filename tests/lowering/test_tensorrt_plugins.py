@@ -24,6 +24,7 @@ import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import reference
 from lowering import tensorrt_plugins as qdp
 from lowering.tensorrt import compile_for_tensorrt
+from tests.lowering.ptx_launch import launch_ptx
 
 HEADS, HEAD_K, HEAD_V, CHANNELS, WIDTH = 2, 16, 16, 8, 4
 DELTA_ATTRS = dict(scale=HEAD_K**-0.5, lower_bound=-5.0, use_gate=1, use_lower_bound=1,
@@ -54,36 +55,15 @@ def launch_like_tensorrt(name: str, inputs: dict, attrs: dict) -> dict[str, torc
 
 
 def _launch_ptx(name: str, config: dict, grid: tuple, inputs: dict, outputs: dict) -> dict:
-    """TensorRT's AOT launch: the PTX, grid, block and shared memory ``aot_impl`` gives,
-    and the argument list input pointers, int32 scalars, output pointers, two null scratch
-    pointers (in plugin order); outputs come back on the CPU."""
-    import ctypes
-
-    driver = pytest.importorskip("cuda.bindings.driver")
+    """TensorRT's AOT launch with the PTX, grid, block and shared memory ``aot_impl`` gives;
+    outputs come back on the CPU."""
     kernel = qdp.SPECS[name].kernel
-    on_gpu = {n: t.cuda() for n, t in inputs.items()}
     written = {n: t.cuda() for n, t in outputs.items()}
-    compiled = compile_for_tensorrt(kernel, "float32", config)
-    module = _driver_call(driver.cuModuleLoadData(compiled.asm["ptx"].encode() + b"\0"))
-    function = _driver_call(driver.cuModuleGetFunction(module, compiled.metadata.name.encode()))
     shapes = {n: tuple(t.shape) for n, t in inputs.items()}
-    args = [
-        *(ctypes.c_void_p(on_gpu[n].data_ptr()) for n in kernel.inputs),
-        *(ctypes.c_int32(v) for v in qdp.int_args(name, shapes)),
-        *(ctypes.c_void_p(written[n].data_ptr()) for n in kernel.outputs),
-        ctypes.c_void_p(0), ctypes.c_void_p(0),
-    ]  # fmt: skip
-    pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    _driver_call(driver.cuLaunchKernel(function, *grid, 32 * kernel.warps(config), 1, 1,
-                                       compiled.metadata.shared, 0, pointers, 0))  # fmt: skip
-    torch.cuda.synchronize()
+    launch_ptx(compile_for_tensorrt(kernel, "float32", config), grid, 32 * kernel.warps(config),
+               [inputs[n].cuda() for n in kernel.inputs], qdp.int_args(name, shapes),
+               [written[n] for n in kernel.outputs])  # fmt: skip
     return {n: t.cpu() for n, t in written.items()}
-
-
-def _driver_call(result: tuple) -> object:
-    error, *values = result
-    assert int(error) == 0, error
-    return values[0] if len(values) == 1 else values
 
 
 def _delta_inputs(batch: int, length: int) -> dict[str, torch.Tensor]:
