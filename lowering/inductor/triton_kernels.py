@@ -1,5 +1,5 @@
-"""The last kda pass: on CUDA, a kda op whose kernel is one Triton launch becomes that launch
-as Inductor's own functional Triton-kernel node (``triton_kernel_wrapper_functional``).
+"""The last kda pass: on CUDA, a kda op becomes its Triton launches, each as Inductor's own
+functional Triton-kernel node (``triton_kernel_wrapper_functional``).
 
 A custom-op node in the compiled graph is called from the generated code through the
 dispatcher into the op's Python body, which plans the launch and enters Triton's Python
@@ -8,16 +8,22 @@ As a kernel node, Inductor compiles the kernel with the graph and launches it wi
 launcher, its re-inplacing pass writes a state update into the model's own buffer (as it
 does for ``auto_functionalized``), and an AOTInductor package embeds the kernel.
 
-Lowered, with the op's own launch planning (:mod:`kda_ops.kernels`):
+Lowered, with the op's own launch planning (:mod:`kda_ops.kernels`), from static or
+symbolic shapes (a graph compiled with dynamic shapes, an exported program):
 
 - ``kda.gated_rms_norm`` and ``kda.gate``;
 - ``kda.recurrent``, and the in-place ``kda.recurrent_`` under ``auto_functionalized``;
+- ``kda.chunk``: the prepare kernel's launches, then the recurrence in one serial scan per
+  sequence (shapes that the op itself would run in segments keep the op);
+- ``kda.causal_conv1d``, the prefill kernels for any T;
 - the decode step (one token, a dense state) of the in-place conv update
   ``auto_functionalized(kda.causal_conv1d_update_)``.
 
-The rest stays as the op: float64 (the reference's), CPU, the conv's prefill shapes, a conv
-step on a symbolic batch (its launch plan compares the batch with the SM count), and the
-in-place ops called by the model itself (``auto_functionalized_v2``; the passes write v1).
+Where a launch choice compares a symbolic batch with the SM count, the plan takes the
+choice of a batch that fills the SMs (``recurrence_launches``, ``step_launch``). The rest
+stays as the op: float64 (the reference's), CPU, shapes the chunk kernels do not serve,
+and the in-place ops called by the model itself (``auto_functionalized_v2``; the passes
+write v1).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import arguments, kernels
-from kda_ops.kernels.launches import KernelLaunch
+from kda_ops.kernels.launches import LaunchPlan
+from kda_ops.signature import DeltaRuleInputs
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,12 +56,12 @@ Arguments = dict[str, Any]  # an op's arguments by schema name
 
 @dataclass(frozen=True)
 class Lowering:
-    """How one op becomes its kernel launch: ``fits`` decides on the arguments' values
-    (fake tensors and constants); ``launch`` plans the launch from the traced arguments
-    and ``outputs`` makes the op's outputs from the tensors it writes."""
+    """How one op becomes its kernel launches: ``fits`` decides on the arguments' values
+    (fake tensors and constants); ``plan`` plans the launches from the traced arguments
+    and ``outputs`` makes the op's outputs from the plan's results."""
 
     fits: Callable[[Arguments], bool]
-    launch: Callable[[Arguments], KernelLaunch]
+    plan: Callable[[Arguments], LaunchPlan]
     outputs: Callable[[dict[str, Tensor]], Any]
 
 
@@ -69,50 +76,95 @@ def _on_kernels(args: Arguments) -> bool:
 
 def _conv_step_fits(args: Arguments) -> bool:
     x, state = args["x"], args["conv_state"]
-    static = all(isinstance(size, int) for size in (*x.shape, *state.shape))
-    return _on_kernels(args) and static and x.shape[1] == 1 and state.is_contiguous()
+    one_token = isinstance(x.shape[1], int) and x.shape[1] == 1
+    return _on_kernels(args) and one_token and state.is_contiguous()
 
 
-def _gated_rms_norm_launch(args: Arguments) -> KernelLaunch:
+def _conv_prefill_fits(args: Arguments) -> bool:
+    """The prefill kernels keep a ``[N, D, W - 1]`` state (the op's own layout)."""
+    state = args["initial_state"]
+    kept = args["weight"].shape[1] - 1
+    return _on_kernels(args) and (state is None or state.shape[-1] == kept)
+
+
+def _chunk_fits(args: Arguments) -> bool:
+    """Shapes the chunk kernels serve, in one serial scan per sequence: static shapes the op
+    would run in segments keep the op (``recurrence_segments``)."""
+    from kda_ops.delta_rule import _chunk_kernels_run
+    from kda_ops.kernels.chunk.segments import recurrence_segments
+
+    inputs = DeltaRuleInputs(*(args[name] for name in DeltaRuleInputs._fields))
+    if not (_on_kernels(args) and _chunk_kernels_run(inputs)):
+        return False
+    batch, length, value_heads, head_v = inputs.v.shape
+    if not all(isinstance(size, int) for size in (batch, length)):
+        return True
+    segments = recurrence_segments(batch, length, value_heads, head_v, args["cu_seqlens"],
+                                   inputs.v.device)  # fmt: skip
+    return segments == 1
+
+
+def _gated_rms_norm_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.gated_norm import gated_rms_norm_launch
 
     return gated_rms_norm_launch(args["x"], args["gate"], args["weight"], args["eps"],
-                                 args["activation"])  # fmt: skip
+                                 args["activation"]).plan()  # fmt: skip
 
 
-def _gate_launch(args: Arguments) -> KernelLaunch:
+def _gate_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.gate import gate_launch
 
-    return gate_launch(args["g"], args["A_log"], args["dt_bias"], args["lower_bound"])
+    return gate_launch(args["g"], args["A_log"], args["dt_bias"], args["lower_bound"]).plan()
 
 
-def _conv_step_launch(args: Arguments) -> KernelLaunch:
+def _conv_step_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.conv.step import step_launch
 
     state = args["conv_state"]
     return step_launch(args["x"], args["weight"], args["bias"], state, state,
-                       args["state_indices"], args["activation"])  # fmt: skip
+                       args["state_indices"], args["activation"]).plan()  # fmt: skip
 
 
-def _recurrent_launch(
-    args: Arguments, state_in: Optional[Tensor], state_out: Tensor
-) -> KernelLaunch:
+def _conv_prefill_plan(args: Arguments) -> LaunchPlan:
+    from kda_ops.kernels.conv.forward import prefill_plan
+
+    x, weight, state = args["x"], args["weight"], args["initial_state"]
+    cu_seqlens = args["cu_seqlens"]
+    n_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    # The op's final state: the initial state's dtype, else x's.
+    final = x.new_empty(n_seqs, x.shape[2], weight.shape[1] - 1,
+                        dtype=x.dtype if state is None else state.dtype)  # fmt: skip
+    if state is not None:
+        state = state.contiguous()
+    return prefill_plan(x, weight, args["bias"], state, final, None, cu_seqlens,
+                        args["activation"])  # fmt: skip
+
+
+def _chunk_plan(args: Arguments) -> LaunchPlan:
+    from kda_ops.kernels.chunk.launch import chunk_plan
+
+    names = (*DeltaRuleInputs._fields, "initial_state", "cu_seqlens", "scale", "lower_bound",
+             "use_qk_l2norm", "use_beta_sigmoid")  # fmt: skip
+    return chunk_plan(*(args[name] for name in names))
+
+
+def _recurrent_plan(args: Arguments, state_in: Optional[Tensor], state_out: Tensor) -> LaunchPlan:
     from kda_ops.kernels.recurrent import recurrent_launch
 
     return recurrent_launch(
         args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"],
         args["dt_bias"], state_in, state_out, args.get("state_indices"), args["cu_seqlens"],
         args["scale"], args["lower_bound"], args["use_qk_l2norm"], args["use_beta_sigmoid"],
-    )  # fmt: skip
+    ).plan()  # fmt: skip
 
 
-def _recurrent_functional_launch(args: Arguments) -> KernelLaunch:
+def _recurrent_functional_plan(args: Arguments) -> LaunchPlan:
     state = arguments.new_final_state(args["q"], args["v"], args["cu_seqlens"])
-    return _recurrent_launch(args, args["initial_state"], state)
+    return _recurrent_plan(args, args["initial_state"], state)
 
 
-def _recurrent_inplace_launch(args: Arguments) -> KernelLaunch:
-    return _recurrent_launch(args, args["state_pool"], args["state_pool"])
+def _recurrent_inplace_plan(args: Arguments) -> LaunchPlan:
+    return _recurrent_plan(args, args["state_pool"], args["state_pool"])
 
 
 def _output_and_state(output: str, state: str) -> Callable[[dict[str, Tensor]], Any]:
@@ -121,21 +173,27 @@ def _output_and_state(output: str, state: str) -> Callable[[dict[str, Tensor]], 
 
 LOWERINGS: dict[Any, Lowering] = {
     torch.ops.kda.gated_rms_norm.default: Lowering(
-        _on_kernels, _gated_rms_norm_launch, lambda written: written["y"]
+        _on_kernels, _gated_rms_norm_plan, lambda written: written["y"]
     ),
-    torch.ops.kda.gate.default: Lowering(_on_kernels, _gate_launch, lambda written: written["out"]),
+    torch.ops.kda.gate.default: Lowering(_on_kernels, _gate_plan, lambda written: written["out"]),
     torch.ops.kda.recurrent.default: Lowering(
-        _on_kernels, _recurrent_functional_launch, _output_and_state("o", "state_out")
+        _on_kernels, _recurrent_functional_plan, _output_and_state("o", "state_out")
+    ),
+    torch.ops.kda.chunk.default: Lowering(
+        _chunk_fits, _chunk_plan, _output_and_state("o", "final_state")
+    ),
+    torch.ops.kda.causal_conv1d.default: Lowering(
+        _conv_prefill_fits, _conv_prefill_plan, _output_and_state("y", "state_out")
     ),
 }
 """Functional ops, lowered where they appear as themselves."""
 
 INPLACE_LOWERINGS: dict[Any, Lowering] = {
     torch.ops.kda.recurrent_.default: Lowering(
-        _on_kernels, _recurrent_inplace_launch, _output_and_state("o", "state_out")
+        _on_kernels, _recurrent_inplace_plan, _output_and_state("o", "state_out")
     ),
     torch.ops.kda.causal_conv1d_update_.default: Lowering(
-        _conv_step_fits, _conv_step_launch, _output_and_state("y", "state_out")
+        _conv_step_fits, _conv_step_plan, _output_and_state("y", "state_out")
     ),
 }
 """In-place ops, lowered where they appear under ``auto_functionalized``: the outputs are
@@ -173,7 +231,7 @@ def _replace(match: Match, *args: Any, **kwargs: Any) -> None:
 
     def launched(*tensors: Tensor) -> Any:
         traced = {**arguments, **dict(zip(names, tensors))}
-        return lowering.outputs(lowering.launch(traced).functional())
+        return lowering.outputs(lowering.plan(traced).functional())
 
     match.replace_by_example(launched, [arguments[n] for n in names], run_functional_passes=False)
 
@@ -195,7 +253,9 @@ class TritonKernelsPass(PatternPass):
         """Hash of this file, the base and the launch planning it traces: a cached graph
         holds the launches as they were planned."""
         from kda_ops.kernels import gate, gated_norm, launches, recurrent
-        from kda_ops.kernels.conv import step
+        from kda_ops.kernels.chunk import launch, planning
+        from kda_ops.kernels.chunk import recurrence as chunk_recurrence
+        from kda_ops.kernels.conv import forward, step
 
         return source_hash(type(self), KDAInductorPass, launches, gated_norm, gate, recurrent,
-                           step)  # fmt: skip
+                           step, forward, launch, planning, chunk_recurrence)  # fmt: skip

@@ -8,10 +8,12 @@ import operator
 
 import pytest
 import torch
+from torch._dynamo.source import ConstantSource
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import kda_ops
 from lowering.inductor.triton_kernels import TritonKernelsPass
@@ -149,10 +151,108 @@ def test_gate_becomes_one_kernel_node_writing_float32():
     assert node.kwargs["kwargs"]["out"].meta["val"].dtype == torch.float32
 
 
-def test_conv_prefill_stays_the_op():
+def test_conv_update_prefill_stays_the_op():
     shapes = ((3, 5, 10), torch.bfloat16), ((3, 10, 3), torch.bfloat16), ((10, 4), torch.bfloat16)
     gm, count = _lowered(_conv_step, *shapes)
     assert count == 0 and len(_calls(gm, auto_functionalized)) == 1
+
+
+def _conv_prefill(x, weight, state):
+    return torch.ops.kda.causal_conv1d.default(x, weight, None, state, None, "silu")
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_conv_prefill_becomes_its_kernel_writing_the_final_state(length):
+    shapes = (
+        ((3, length, 10), torch.bfloat16),
+        ((10, 4), torch.bfloat16),
+        ((3, 10, 3), torch.float32),
+    )
+    gm, count = _lowered(_conv_prefill, *shapes)
+    assert count == 1 and not _calls(gm, torch.ops.kda.causal_conv1d.default)
+    (node,) = _calls(gm, KERNEL_NODE)  # the output kernel writes the final state too
+    arguments = node.kwargs["kwargs"]
+    assert sorted(node.kwargs["tensors_to_clone"]) == ["state_out", "y"]
+    assert arguments["FINAL_STATE"] is True and arguments["state"].op == "placeholder"
+    assert arguments["state_out"].meta["val"].dtype == torch.float32  # the state's dtype
+    assert node.kwargs["grid"] == [(1, 1, 3)]
+
+
+def test_conv_prefill_with_a_longer_state_stays_the_op():
+    shapes = ((3, 5, 10), torch.bfloat16), ((10, 4), torch.bfloat16), ((3, 10, 4), torch.bfloat16)
+    _, count = _lowered(_conv_prefill, *shapes)
+    assert count == 0
+
+
+@pytest.fixture
+def hopper_sizes(monkeypatch):
+    """An H200's SM count and shared memory for the chunk planning of fake CUDA tensors."""
+    from kda_ops.kernels.chunk import planning, recurrence, segments
+
+    for module in (planning, recurrence, segments):
+        monkeypatch.setattr(module, "processors", lambda device: 132)
+    for module in (planning, recurrence):
+        monkeypatch.setattr(module, "shared_memory", lambda device: 227 * 1024)
+
+
+def _chunk_inputs(length, dtype=torch.bfloat16, batch=2, heads=2, dim=32):
+    return [((batch, length, heads, dim), dtype)] * 4 + [((batch, length, heads), dtype),
+            ((heads,), torch.float32), ((heads * dim,), torch.float32),
+            ((batch, heads, dim, dim), torch.float32)]  # fmt: skip
+
+
+def _chunk_with(lower_bound):
+    def chunk(q, k, v, g, beta, A_log, dt_bias, state):
+        return torch.ops.kda.chunk.default(q, k, v, g, beta, A_log, dt_bias, state, None, 0.25,
+                                           lower_bound, True, True)  # fmt: skip
+
+    return chunk
+
+
+@pytest.mark.parametrize("lower_bound, prepare_passes", [(-5.0, 1), (None, 2)])
+def test_chunk_becomes_prepare_then_recurrence(hopper_sizes, lower_bound, prepare_passes):
+    gm, count = _lowered(_chunk_with(lower_bound), *_chunk_inputs(100))
+    assert count == 1 and not _calls(gm, torch.ops.kda.chunk.default)
+    *prepares, recurrence = _calls(gm, KERNEL_NODE)
+    assert len(prepares) == prepare_passes
+    # Each launch reads what the one before wrote: the nodes' outputs, not new buffers.
+    written = {user.args[1]: user for user in prepares[-1].users}
+    for name in ("w", "u", "qg", "kd", "aqk", "chunk_decay"):
+        assert recurrence.kwargs["kwargs"][name] is written[name]
+    if prepare_passes == 2:
+        flags = {user.args[1]: user for user in prepares[0].users}["unbounded"]
+        assert prepares[1].kwargs["kwargs"]["unbounded"] is flags
+    assert prepares[0].kwargs["grid"] == [(4, 2, 1)]  # 2 sequences x 2 chunks, 2 heads
+    assert recurrence.kwargs["kwargs"]["initial_state"].op == "placeholder"
+    assert sorted(recurrence.kwargs["tensors_to_clone"]) == ["final_state", "o"]
+
+
+def test_chunk_of_a_symbolic_batch_and_length_plans_without_guards(hopper_sizes):
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    batch, length = (
+        shape_env.create_symintnode(shape_env.create_symbol(hint, ConstantSource(name)), hint=hint)
+        for name, hint in (("batch", 3), ("length", 100))
+    )
+    with mode:
+        args = [torch.empty(batch, length, *shape[2:], dtype=dtype, device="cuda") if i < 5
+                else torch.empty(shape, dtype=dtype, device="cuda")
+                for i, (shape, dtype) in enumerate(_chunk_inputs(1))]  # fmt: skip
+        args[-1] = torch.empty(batch, 2, 32, 32, device="cuda")
+        gm = make_fx(_chunk_with(-5.0), tracing_mode="fake")(*args)
+    guards = len(shape_env.guards)
+    with V.set_fake_mode(mode):
+        count = TritonKernelsPass()(gm.graph)
+    assert count == 1 and len(shape_env.guards) == guards  # planned without a new guard
+    prepare, recurrence = _calls(gm, KERNEL_NODE)
+    assert not isinstance(prepare.kwargs["grid"][0][0], int)  # chunks of the traced shapes
+    assert recurrence.kwargs["kwargs"]["BV"] == 32  # the choice of a batch filling the SMs
+
+
+def test_chunk_in_segments_stays_the_op(hopper_sizes):
+    # One long sequence of few heads: the op runs the recurrence in segments.
+    gm, count = _lowered(_chunk_with(-5.0), *_chunk_inputs(16384, batch=1))
+    assert count == 0 and len(_calls(gm, torch.ops.kda.chunk.default)) == 1
 
 
 # GPU: whole compiles, generated code launching the kernels.

@@ -11,14 +11,48 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kda_ops import arguments
 from kda_ops.kernels.chunk.device import CHUNK
 from kda_ops.kernels.chunk.planning import dot_block, prepare_flags, prepare_warps
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
-from kda_ops.kernels.chunk.recurrence import launch_recurrence
+from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
+from kda_ops.kernels.launches import KernelLaunch, LaunchPlan
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
+
+
+def chunk_plan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    chunk_states: Optional[Tensor] = None,
+    output: bool = True,
+) -> LaunchPlan:
+    """The chunked forward as launches, the recurrence in one serial scan per sequence:
+    the prepare kernel's, then :func:`recurrence_launches`. Results ``"o"`` and
+    ``"final_state"``; :func:`launch_chunk_kda` says what they hold and what the arguments
+    are. Plans from symbolic shapes too (a traced graph)."""
+    launches, intermediates, chunk_offsets, precision = _prepare_launches(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, use_qk_l2norm,
+        use_beta_sigmoid,
+    )  # fmt: skip
+    o, final_state, initial_state = _outputs(q, v, initial_state, cu_seqlens, output)
+    launches += recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
+                                    q.shape[1], o, final_state, chunk_states,
+                                    precision)  # fmt: skip
+    return LaunchPlan(tuple(launches), {"o": o, "final_state": final_state})
 
 
 def launch_chunk_kda(
@@ -53,6 +87,31 @@ def launch_chunk_kda(
     ``segments``: how many segments the recurrence of each sequence runs in
     (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
     lets :func:`recurrence_segments` choose from the shapes."""
+    batch, length, value_heads, head_v = v.shape
+    if segments is None:
+        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, q.device)
+    options = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+    if segments == 1:
+        results = chunk_plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                             *options, chunk_states, output).run()  # fmt: skip
+        return results["o"], results["final_state"]
+    launches, intermediates, _, precision = _prepare_launches(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, *options
+    )
+    for launch in launches:
+        launch.run()
+    o, final_state, initial_state = _outputs(q, v, initial_state, cu_seqlens, output)
+    segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
+                         final_state, chunk_states, precision)  # fmt: skip
+    return o, final_state
+
+
+def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
+                      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+    """The prepare kernel's launches (once with the safe gate, else its bounded and
+    unbounded ones), the intermediates they write ``(w, u, qg, kd, aqk, chunk_decay)``,
+    the chunks' offsets of packed sequences (``None`` at fixed length) and the dot
+    precision."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
@@ -67,33 +126,40 @@ def launch_chunk_kda(
     block_k, block_v = dot_block(head_k), dot_block(head_v)
     flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                           use_beta_sigmoid)  # fmt: skip
-    precision = flags["DOT_PRECISION"]
     tokens_shape = (batch, length, value_heads)
     chunk_decay = torch.empty(n_chunks, value_heads, head_k, device=q.device, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
+    writes = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
     if flags["SAFE_GATE"]:
         passes, unbounded = ("all",), None
     else:
         passes = ("bounded", "unbounded")
         unbounded = torch.empty(n_chunks, value_heads, device=q.device, dtype=torch.int8)
-    for chunks in passes:
-        chunk_prepare_kernel[(n_chunks, value_heads)](
-            q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-            scale, 0.0 if lower_bound is None else lower_bound, length, n_seqs,
-            chunk_decay, w, u, qg, kd, aqk, unbounded,
-            H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-            BN=next_power_of_2(n_seqs), **flags, CHUNKS=chunks,
-            num_warps=prepare_warps(block_k),
-        )  # fmt: skip
+        writes += ("unbounded",)
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets, scale=scale,
+        lower_bound=0.0 if lower_bound is None else lower_bound, length=length, n_seqs=n_seqs,
+        chunk_decay=chunk_decay, w=w, u=u, qg=qg, kd=kd, aqk=aqk, unbounded=unbounded,
+        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        # Only packed sequences search their sequence among BN (a fixed length divides).
+        BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
+        num_warps=prepare_warps(block_k),
+    )  # fmt: skip
+    launches = [KernelLaunch(chunk_prepare_kernel, (n_chunks, value_heads),
+                             {**args, "CHUNKS": chunks}, writes)
+                for chunks in passes]  # fmt: skip
+    return launches, (w, u, qg, kd, aqk, chunk_decay), chunk_offsets, flags["DOT_PRECISION"]
+
+
+def _outputs(q, v, initial_state, cu_seqlens, output):
+    """(o or None, the fp32 final state, the initial state made contiguous)."""
     o = torch.empty_like(v) if output else None
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    final_state = q.new_empty(n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
-    scan_chunks((w, u, qg, kd, aqk, chunk_decay), initial_state, cu_seqlens, chunk_offsets, o,
-                final_state, chunk_states, precision, segments)  # fmt: skip
-    return o, final_state
+    return o, arguments.new_final_state(q, v, cu_seqlens), initial_state
 
 
 def scan_chunks(

@@ -20,6 +20,7 @@ from kda_ops.kernels.chunk.planning import (
     scan_warps,
 )
 from kda_ops.kernels.fast_exp import fast_exp
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, processors, shared_memory
 
 
@@ -87,26 +88,46 @@ def chunk_recurrence_kernel(
     tl.store(final_state + state_offsets, state, mask=state_mask)
 
 
-def launch_recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
-                      final_state, chunk_states, precision, width=None):  # fmt: skip
-    """One launch of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
-    (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel)."""
+def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
+                        final_state, chunk_states, precision) -> list[KernelLaunch]:  # fmt: skip
+    """The launches of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
+    (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
+    symbolic sequence count (a graph traced for any batch) one launch at the value columns
+    of a batch that fills the SMs: the split of value columns and of waves
+    (``scan_launch``, ``scan_launches``) compares the count with the SM count."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
     block_k, block_v = dot_block(head_k), dot_block(state_width)
     sequence_heads = n_seqs * value_heads
     tiles = (w.element_size(), aqk.element_size(), o is not None)
-    columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
-    launches = scan_launches(block_v, sequence_heads, columns, processors(u.device))
-    for first_head, heads, split_v in launches:
-        chunk_recurrence_kernel[(cdiv(state_width, split_v), heads)](
-            w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
-            first_head, o, final_state, chunk_states,
+    sms = processors(u.device)
+    if isinstance(sequence_heads, int):
+        columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
+        launches = scan_launches(block_v, sequence_heads, columns, sms)
+    else:
+        columns, _ = scan_launch(block_k, block_v, sms, u.device, *tiles)
+        launches = [(0, sequence_heads, columns)]
+    written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
+    writes = tuple(name for name, tensor in written.items() if tensor is not None)
+    return [
+        KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v), heads), dict(
+            w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
+            length=length, first_head=first_head, o=o, final_state=final_state,
+            chunk_states=chunk_states,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
             STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
             num_warps=scan_warps(block_k),
-        )  # fmt: skip
+        ), writes)
+        for first_head, heads, split_v in launches
+    ]  # fmt: skip
+
+
+def launch_recurrence(*args: object) -> None:
+    """Run :func:`recurrence_launches` (same arguments)."""
+    for launch in recurrence_launches(*args):
+        launch.run()

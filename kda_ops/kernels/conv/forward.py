@@ -28,6 +28,7 @@ from kda_ops.kernels.conv.device import (
 )
 from kda_ops.kernels.conv.step import step_launch
 from kda_ops.kernels.fast_exp import fast_sigmoid
+from kda_ops.kernels.launches import KernelLaunch, LaunchPlan
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -152,31 +153,61 @@ def launch_causal_conv1d(
                                      activation)  # fmt: skip
             state_out.copy_(dense)
             return y
-    batch, length, channels = x.shape
-    width = weight.shape[1]
-    n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if length == 1 and cu_seqlens is None:
+    if x.shape[1] == 1 and cu_seqlens is None:
         step = step_launch(x, weight, bias, state_in, state_out, state_indices, activation)
         step.run()
         return step.args["y"]
+    return prefill_plan(x, weight, bias, state_in, state_out, state_indices, cu_seqlens,
+                        activation).run()["y"]  # fmt: skip
+
+
+def prefill_plan(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    state_in: Optional[Tensor],
+    state_out: Tensor,
+    state_indices: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    activation: str,
+) -> LaunchPlan:
+    """The prefill kernels' launches (arguments as :func:`launch_causal_conv1d`'s, the
+    states dense ``[N, D, W - 1]``), results ``"y"`` (new, x's shape) and ``"state_out"``.
+    Any T, one token too; plans from a symbolic T (a traced graph) as for a long one."""
+    x, weight = x.contiguous(), weight.contiguous()
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     y = torch.empty_like(x)
-    flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None)
-    block_t, block_d = tile_sizes(PREFILL_ROWS, length, channels)
-    flags["IS_VARLEN"] = cu_seqlens is not None
+    planned_length = length if isinstance(length, int) else PREFILL_ROWS
+    block_t, block_d = tile_sizes(PREFILL_ROWS, planned_length, channels)
     grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
+    flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None,
+                 IS_VARLEN=cu_seqlens is not None)  # fmt: skip
     kept = next_power_of_2(width - 1)
     # Rows of a batch end in their last token block, whose program can write the final
     # state, unless the state is rewritten in place (other programs still read it) or
-    # packed sequences may be empty (no program holds them): then a second kernel.
-    fused = cu_seqlens is None and length > 0 and state_out is not state_in
-    causal_conv1d_kernel[grid](
-        x, weight, bias, state_in, state_indices, cu_seqlens, length, n_seqs, y, state_out,
-        D=channels, W=width, BT=block_t, BD=block_d, BN=next_power_of_2(n_seqs), BW=kept,
+    # packed sequences may be empty (no program holds them): then a second kernel. A
+    # symbolic T is at least 1 (export's and Dynamo's dims).
+    fused = (
+        cu_seqlens is None
+        and state_out is not state_in
+        and (not isinstance(length, int) or length > 0)
+    )
+    output = KernelLaunch(causal_conv1d_kernel, grid, dict(
+        x=x, weight=weight, bias=bias, state=state_in, state_indices=state_indices,
+        cu_seqlens=cu_seqlens, length=length, n_seqs=n_seqs, y=y, state_out=state_out,
+        D=channels, W=width, BT=block_t, BD=block_d,
+        # Only packed sequences search their sequence among BN.
+        BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), BW=kept,
         HAS_BIAS=bias is not None, SILU=activation == "silu", FINAL_STATE=fused, **flags,
-    )  # fmt: skip
+    ), ("y", "state_out") if fused else ("y",))  # fmt: skip
+    launches = [output]
     if not fused:
-        conv_final_state_kernel[(n_seqs, cdiv(channels, block_d))](
-            x, state_in, state_indices, cu_seqlens, length, state_out,
-            D=channels, W=width, BD=block_d, BW=kept, **flags,
-        )  # fmt: skip
-    return y
+        grid = (n_seqs, cdiv(channels, block_d))
+        launches.append(KernelLaunch(conv_final_state_kernel, grid, dict(
+            x=x, state_in=state_in, state_indices=state_indices, cu_seqlens=cu_seqlens,
+            length=length, state_out=state_out, D=channels, W=width, BD=block_d, BW=kept,
+            **flags,
+        ), ("state_out",)))  # fmt: skip
+    return LaunchPlan(tuple(launches), {"y": y, "state_out": state_out})

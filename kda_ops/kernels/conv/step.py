@@ -220,7 +220,7 @@ def step_launch(
 ) -> KernelLaunch:
     """The launch of one token per sequence (x ``[N, 1, D]``, weight ``[D, W]``): one kernel
     that writes a new y (``args["y"]``, x's shape) and the new state into ``state_out``
-    (``[slots, D, S]``, S >= W - 1, dense; may be ``state_in``)."""
+    (``[slots, D, S]``, S >= W - 1, dense; may be ``state_in``). N may be symbolic."""
     x, weight = x.contiguous(), weight.contiguous()
     batch, _, channels = x.shape
     width, kept = weight.shape[1], state_out.shape[-1]
@@ -233,7 +233,9 @@ def step_launch(
         # A thread per 8 channels, up to 128 threads (1024 channels) a program.
         groups = min(128, next_power_of_2(channels // 8))
         programs = cdiv(channels // 8, groups) * batch
-        per_program = step_sequences_per_program(programs, processors(x.device))
+        # A symbolic batch (a graph traced for any batch) keeps a sequence a program.
+        per_program = (step_sequences_per_program(programs, processors(x.device))
+                       if isinstance(batch, int) else 1)  # fmt: skip
         grid = (cdiv(channels // 8, groups), cdiv(batch, per_program))
         args.update(batch=batch, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)))
         return KernelLaunch(conv_step_w4_kernel, grid, args, writes)
