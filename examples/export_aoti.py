@@ -6,7 +6,8 @@ writes ``OUT_DIR/prefill.pt2`` and ``decode.pt2`` for the tiny :class:`HybridCon
 decodes greedily with the packages and with the eager model and compares the logits. With
 ``--runner`` (the C++ program of ``examples/aoti_runner/``, built as its CMakeLists.txt
 says) the packages run in that process, which has no Python interpreter; without it they
-run here through ``torch._inductor.aoti_load_package``.
+run here through ``torch._inductor.aoti_load_package``. ``--device cuda`` builds CUDA
+packages, which launch kda's Triton kernels from C++.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def eager_steps(model: HybridLM, prompts: Tensor, steps: int) -> Greedy:
     modules = {name: export.ExplicitStateStep(model, name) for name in ("prefill", "decode")}
     states = export.flatten_cache(model.new_cache(prompts.shape[0]))
     with torch.no_grad():
-        return greedy_steps(lambda name, *args: modules[name](*args), prompts, states, steps)
+        return greedy_steps(lambda name, *args: modules[name](*args), prompts.to(states[0].device),
+                            states, steps)  # fmt: skip
 
 
 def package_steps_here(
@@ -59,7 +61,8 @@ def package_steps_here(
     """:func:`greedy_steps` of the packages loaded into this process."""
     loaded = {name: torch._inductor.aoti_load_package(path) for name, path in paths.items()}
     states = export.flatten_cache(model.new_cache(prompts.shape[0]))
-    return greedy_steps(lambda name, *args: loaded[name](*args), prompts, states, steps)
+    return greedy_steps(lambda name, *args: loaded[name](*args), prompts.to(states[0].device),
+                        states, steps)  # fmt: skip
 
 
 def runner_steps(
@@ -82,9 +85,9 @@ def runner_steps(
 
 def largest_difference(got: Greedy, expected: Greedy) -> float:
     """The largest absolute logit difference over all steps (inf where tokens differ)."""
-    if any(not torch.equal(a[1], b[1]) for a, b in zip(got, expected, strict=True)):
+    if any(not torch.equal(a[1].cpu(), b[1].cpu()) for a, b in zip(got, expected, strict=True)):
         return float("inf")
-    return max((a[0] - b[0]).abs().max().item() for a, b in zip(got, expected))
+    return max((a[0].cpu() - b[0].cpu()).abs().max().item() for a, b in zip(got, expected))
 
 
 def main() -> None:
@@ -101,12 +104,13 @@ def main() -> None:
         type=pathlib.Path,
         help="the built C++ runner (examples/aoti_runner); default: run here",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--prompt-length", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = HybridLM(HybridConfig()).eval().requires_grad_(False)
+    model = HybridLM(HybridConfig()).to(args.device).eval().requires_grad_(False)
     if args.prompt_length + args.steps > model.config.max_seq_len:
         parser.error(f"--prompt-length + --steps must be at most {model.config.max_seq_len}")
     paths = aoti.package_steps(model, args.out_dir)

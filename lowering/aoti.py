@@ -1,15 +1,21 @@
 """AOTInductor packages of kda programs: a ``.pt2`` that C++ loads with
 ``torch::inductor::AOTIModelPackageLoader`` and runs with no Python interpreter.
 
-A kda op's kernels are Python functions, which a package cannot call without Python. So
-:func:`decompose` first replaces every inference op (``kda.chunk``, ``kda.recurrent``,
-``kda.causal_conv1d``, ``kda.gated_rms_norm``, ``kda.gate``) by its reference formulation
-in aten ops, and Inductor generates the package's code from that. The delta rule becomes its
-token recurrence as a ``scan`` (a loop in the package; unrolled for a static count of up
-to :data:`UNROLLED_TOKENS`, a decode step), for ``kda.chunk`` too: the chunked
-form pads T to whole chunks, and tracing that specializes the prompt length. A package
-therefore computes what the ops compute, with Inductor's kernels rather than kda's fused
-Triton kernels.
+A kda op's kernels are Python functions, which a package cannot call without Python.
+
+- **CUDA**: the kda passes run in the package's compile (``backend="kda"``'s post-grad
+  passes), whose last pass turns every inference op into its Triton launches as kernel
+  nodes (``lowering/inductor/triton_kernels.py``); Inductor compiles those kernels into the
+  package as cubins and launches them from its C++. An op the pass leaves (shapes the
+  kernels do not serve) is refused, naming it (:class:`UnsupportedOpError`).
+- **CPU**: :func:`decompose` first replaces every inference op (``kda.chunk``,
+  ``kda.recurrent``, ``kda.causal_conv1d``, ``kda.gated_rms_norm``, ``kda.gate``) by its
+  reference formulation in aten ops, and Inductor generates the package's code from that.
+  The delta rule becomes its token recurrence as a ``scan`` (a loop in the package;
+  unrolled for a static count of up to :data:`UNROLLED_TOKENS`, a decode step), for
+  ``kda.chunk`` too: the chunked form pads T to whole chunks, and tracing that specializes
+  the prompt length. Such a package computes what the ops compute, with Inductor's kernels
+  rather than kda's fused Triton kernels; it needs torch >= :data:`OLDEST_TORCH`.
 
 Packages take fixed-length batches (``cu_seqlens`` must be ``None``) and functional ops
 only: an in-place op (``kda.recurrent_``, ``kda.causal_conv1d_update_``) writes state that a
@@ -18,7 +24,7 @@ refuses at export already.
 
 :func:`package_steps` writes a hybrid model's prefill and decode steps as
 ``prefill.pt2`` / ``decode.pt2``; ``examples/aoti_runner/`` is a C++ program that loads
-them, prefills prompts and decodes greedily.
+them, prefills prompts and decodes greedily on the device the packages were built for.
 """
 
 from __future__ import annotations
@@ -31,18 +37,22 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 from torch._higher_order_ops.scan import scan_op
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.export import ExportedProgram
 
 from kda_ops import reference
 from kda_ops.delta_rule import chunk_op, delta_rule_reference, recurrent_op
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions, flat_kernel
 from lowering.export import StatefulLM, export_step, flatten_cache, state_names
+from lowering.inductor.pass_manager import KDAPassManager
 
 # Metadata keys of a step package, read by the C++ runner.
 STATE_NAMES_KEY = "kda.state_names"
 STATE_SPECS_KEY = "kda.state_specs"
+DEVICE_KEY = "kda.device"
 
-# torch 2.11's C++ wrapper cannot generate the scan's loop (2.13.0 and 2.14.1 can).
+# torch 2.11's C++ wrapper cannot generate the scan's loop of a CPU package (2.13.0 and
+# 2.14.1 can); CUDA packages hold no loop.
 OLDEST_TORCH = "2.13"
 
 
@@ -142,19 +152,23 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
     }
 
 
+def _kda_ops_left(graph: torch.fx.Graph) -> list[str]:
+    return sorted(
+        {
+            str(node.target)
+            for node in graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("kda.")
+        }
+    )
+
+
 def decompose(program: ExportedProgram) -> ExportedProgram:
     """``program`` with every ``kda`` op replaced by aten ops (:func:`decompositions`) and
     the default decompositions applied; raises :class:`UnsupportedOpError` naming any kda
     op left (training, backward and in-place ops have no package formulation)."""
     table = decompositions()
     decomposed = program.run_decompositions(table)
-    left = sorted(
-        {
-            str(node.target)
-            for node in decomposed.graph.nodes
-            if node.op == "call_function" and str(node.target).startswith("kda.")
-        }
-    )
+    left = _kda_ops_left(decomposed.graph)
     if left:
         raise UnsupportedOpError(
             f"no AOTInductor formulation for {', '.join(left)}; a package takes the "
@@ -163,24 +177,62 @@ def decompose(program: ExportedProgram) -> ExportedProgram:
     return decomposed
 
 
+class KernelNodesOnly(CustomGraphPass):
+    """The kda passes (:class:`KDAPassManager`), then a check that no kda op is left: in a
+    CUDA package every kda op must have become its kernel launches."""
+
+    def __init__(self) -> None:
+        self.passes = KDAPassManager()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.passes(graph)
+        left = _kda_ops_left(graph)
+        if left:
+            raise UnsupportedOpError(
+                f"{', '.join(left)} did not become Triton kernel launches, so a CUDA package "
+                "would call its Python kernel: fixed-length, non-float64 inputs of head dims "
+                "the chunk kernels serve are lowered (lowering/inductor/triton_kernels.py)"
+            )
+
+    def uuid(self) -> str:
+        return self.passes.uuid()
+
+
+def program_device(program: ExportedProgram) -> torch.device:
+    """The device of the program's inputs (parameters, buffers and user inputs)."""
+    for node in program.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
 def package(
     program: ExportedProgram,
     path: Union[str, Path],
     metadata: Optional[dict[str, str]] = None,
 ) -> str:
-    """Compile ``program`` (decomposed first) into the AOTInductor package ``path`` (a
-    ``.pt2`` file) with string ``metadata`` the loader returns; returns the path. Needs
-    torch >= :data:`OLDEST_TORCH`."""
-    if torch.torch_version.TorchVersion(torch.__version__) < OLDEST_TORCH:
-        raise RuntimeError(
-            f"lowering.aoti.package needs torch >= {OLDEST_TORCH} (this is {torch.__version__}): "
-            "older Inductor fails to generate the C++ of the delta rule's loop"
-        )
-    # Without in-place buffers: torch 2.13's C++ wrapper otherwise declares a buffer that a
-    # scan's loop has written a second time (the generated C++ does not compile).
-    configs = {"aot_inductor.metadata": dict(metadata or {}), "inplace_buffers": False}
+    """Compile ``program`` into the AOTInductor package ``path`` (a ``.pt2`` file) with
+    string ``metadata`` the loader returns (plus :data:`DEVICE_KEY`); returns the path. On
+    CUDA the kda ops become their Triton kernels; elsewhere they are decomposed first,
+    which needs torch >= :data:`OLDEST_TORCH` (module docstring)."""
+    device = program_device(program)
+    configs = {"aot_inductor.metadata": {**(metadata or {}), DEVICE_KEY: device.type}}
+    if device.type == "cuda":
+        configs["post_grad_custom_post_pass"] = KernelNodesOnly()
+    else:
+        if torch.torch_version.TorchVersion(torch.__version__) < OLDEST_TORCH:
+            raise RuntimeError(
+                f"lowering.aoti.package needs torch >= {OLDEST_TORCH} for a CPU package (this "
+                f"is {torch.__version__}): older Inductor fails to generate the C++ of the "
+                "delta rule's loop"
+            )
+        program = decompose(program)
+        # Without in-place buffers: torch 2.13's C++ wrapper otherwise declares a buffer
+        # that a scan's loop has written a second time (the generated C++ does not compile).
+        configs["inplace_buffers"] = False
     return torch._inductor.aoti_compile_and_package(
-        decompose(program), package_path=str(path), inductor_configs=configs
+        program, package_path=str(path), inductor_configs=configs
     )
 
 

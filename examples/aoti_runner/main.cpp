@@ -1,5 +1,6 @@
 // Runs the hybrid model's AOTInductor packages (lowering/aoti.py) with no Python: prefill
-// prompts from an empty cache, then greedy decode steps, printing every step's logits.
+// prompts from an empty cache, then greedy decode steps, printing every step's logits. The
+// tensors live on the device the packages were built for (their "kda.device" metadata).
 //
 //   kda_aoti_runner PACKAGE_DIR STEPS IDS [IDS ...]
 //
@@ -7,11 +8,14 @@
 // token ids (all prompts of one length). Output, one line each:
 //   logits STEP SEQ v0 v1 ...   (the last position's logits; step 0 is the prefill)
 //   tokens STEP t0 t1 ...       (the greedy next token of each sequence)
+//   time STEP MICROSECONDS      (the package call, to its outputs on the device)
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -23,6 +27,7 @@ namespace {
 
 // Metadata keys written by lowering/aoti.py's package_steps.
 constexpr const char* kStateSpecs = "kda.state_specs";
+constexpr const char* kDevice = "kda.device";
 
 at::ScalarType parse_dtype(const std::string& name) {
   if (name == "float32") return at::kFloat;
@@ -34,9 +39,9 @@ at::ScalarType parse_dtype(const std::string& name) {
   throw std::invalid_argument("unknown state dtype in the package metadata: " + name);
 }
 
-// An empty cache for `batch` sequences: one zero tensor per line of the state specs
-// ("dtype d1 d2 ...", the shape without the batch dim).
-std::vector<at::Tensor> empty_cache(const std::string& specs, int64_t batch) {
+// An empty cache for `batch` sequences on `device`: one zero tensor per line of the state
+// specs ("dtype d1 d2 ...", the shape without the batch dim).
+std::vector<at::Tensor> empty_cache(const std::string& specs, int64_t batch, const at::Device& device) {
   std::vector<at::Tensor> states;
   std::istringstream lines(specs);
   std::string line;
@@ -46,7 +51,7 @@ std::vector<at::Tensor> empty_cache(const std::string& specs, int64_t batch) {
     fields >> dtype;
     std::vector<int64_t> shape{batch};
     for (int64_t dim; fields >> dim;) shape.push_back(dim);
-    states.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(dtype))));
+    states.push_back(at::zeros(shape, at::TensorOptions().dtype(parse_dtype(dtype)).device(device)));
   }
   return states;
 }
@@ -72,7 +77,7 @@ at::Tensor parse_prompts(char** begin, char** end) {
 
 // Prints the last position's logits of each sequence and returns the greedy tokens [B, 1].
 at::Tensor report(int step, const at::Tensor& logits) {
-  auto last = logits.select(1, logits.size(1) - 1).contiguous();  // [B, vocab]
+  auto last = logits.select(1, logits.size(1) - 1).to(at::kCPU).contiguous();  // [B, vocab]
   for (int64_t b = 0; b < last.size(0); ++b) {
     std::printf("logits %d %lld", step, static_cast<long long>(b));
     auto row = last[b];
@@ -107,13 +112,20 @@ int main(int argc, char** argv) {
     torch::inductor::AOTIModelPackageLoader prefill(dir + "/prefill.pt2");
     torch::inductor::AOTIModelPackageLoader decode(dir + "/decode.pt2");
 
-    at::Tensor ids = parse_prompts(argv + 3, argv + argc);
-    std::vector<at::Tensor> states = empty_cache(prefill.get_metadata().at(kStateSpecs), ids.size(0));
+    const auto metadata = prefill.get_metadata();
+    const auto device_entry = metadata.find(kDevice);
+    const at::Device device(device_entry == metadata.end() ? "cpu" : device_entry->second);
+    at::Tensor ids = parse_prompts(argv + 3, argv + argc).to(device);
+    std::vector<at::Tensor> states = empty_cache(metadata.at(kStateSpecs), ids.size(0), device);
     for (int step = 0; step <= steps; ++step) {
       auto& package = step == 0 ? prefill : decode;
+      const auto start = std::chrono::steady_clock::now();
       std::vector<at::Tensor> outputs = package.run(step_inputs(ids, states));
+      if (device.is_cuda()) torch::cuda::synchronize();
+      const std::chrono::duration<double, std::micro> took = std::chrono::steady_clock::now() - start;
+      std::printf("time %d %.1f\n", step, took.count());
       states.assign(outputs.begin() + 1, outputs.end());
-      ids = report(step, outputs[0]);
+      ids = report(step, outputs[0]).to(device);
     }
   } catch (const std::exception& error) {
     std::fprintf(stderr, "kda_aoti_runner: %s\n", error.what());

@@ -120,10 +120,11 @@ def test_an_op_without_a_formulation_is_named():
         aoti.decompose(program)
 
 
-def test_an_older_torch_is_refused_before_compiling(monkeypatch):
+def test_an_older_torch_is_refused_a_cpu_package_before_compiling(monkeypatch):
+    program = torch.export.export(ChunkGated(scalar_gate=False), _delta_rule_args(1, 12, False))
     monkeypatch.setattr(torch, "__version__", "2.11.0")
-    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.13"):
-        aoti.package(None, "unused.pt2")
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.13 for a CPU package"):
+        aoti.package(program, "unused.pt2")
 
 
 def test_state_specs_describe_the_empty_cache():
@@ -162,15 +163,16 @@ class Packaged(NamedTuple):
     expected: export_aoti.Greedy
 
 
-@pytest.fixture(scope="module")
-def packaged(tmp_path_factory) -> Packaged:
-    """One KDA layer and one attention layer packaged; eager's greedy run of 2 prompts of 7
-    tokens, a prefill and 8 decode steps."""
-    if torch.torch_version.TorchVersion(torch.__version__) < aoti.OLDEST_TORCH:
-        pytest.skip(f"packages need torch >= {aoti.OLDEST_TORCH}")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def packaged(request, tmp_path_factory) -> Packaged:
+    """One KDA layer and one attention layer packaged for the device; eager's greedy run of
+    2 prompts of 7 tokens, a prefill and 8 decode steps."""
+    device = request.param
+    if device == "cpu" and torch.torch_version.TorchVersion(torch.__version__) < aoti.OLDEST_TORCH:
+        pytest.skip(f"CPU packages need torch >= {aoti.OLDEST_TORCH}")
     torch.manual_seed(0)
-    model = tiny_model(HybridConfig(num_layers=2, full_attention_interval=2))
-    directory = tmp_path_factory.mktemp("packages")
+    model = tiny_model(HybridConfig(num_layers=2, full_attention_interval=2), device=device)
+    directory = tmp_path_factory.mktemp(f"packages_{device}")
     paths = aoti.package_steps(model, directory)
     prompts = torch.randint(model.config.vocab_size, (2, 7))
     return Packaged(model, directory, paths, prompts, export_aoti.eager_steps(model, prompts, 8))
@@ -179,8 +181,8 @@ def packaged(tmp_path_factory) -> Packaged:
 def _assert_greedy_equal(got: export_aoti.Greedy, expected: export_aoti.Greedy) -> None:
     assert len(got) == len(expected) == 9
     for (logits, tokens), (want_logits, want_tokens) in zip(got, expected):
-        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
-        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(logits.cpu(), want_logits.cpu(), rtol=1e-4, atol=1e-5)
+        assert torch.equal(tokens.cpu(), want_tokens.cpu())
 
 
 def test_packages_loaded_here_give_eager_logits(packaged):
@@ -195,3 +197,23 @@ def test_cpp_runner_gives_eager_logits_for_prefill_and_decode(packaged, runner):
     )
     libraries = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
     assert "libpython" not in libraries
+
+
+@pytest.mark.gpu
+def test_cuda_packages_launch_the_kda_kernels_and_no_op(packaged):
+    """The CUDA packages' generated code launches the Triton kernels of every kda op."""
+    if next(packaged.model.parameters()).device.type != "cuda":
+        pytest.skip("a CPU package decomposes the ops")
+    import zipfile
+
+    launched = {
+        "prefill": ("chunk_prepare", "chunk_recurrence", "causal_conv1d"),
+        "decode": ("recurrent_kda", "conv_step", "gated_rms_norm"),
+    }
+    for step, kernels in launched.items():
+        with zipfile.ZipFile(packaged.paths[step]) as archive:
+            code = "".join(archive.read(name).decode(errors="ignore")
+                           for name in archive.namelist() if name.endswith(".cpp"))  # fmt: skip
+        assert "kda::" not in code and "torch.ops.kda" not in code
+        for kernel in kernels:
+            assert kernel in code, (step, kernel)
