@@ -152,7 +152,7 @@ def chunk_compute_dtype(q: Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float16 or wide_bf16 else q.dtype
 
 
-def _chunk_kernels_run(inputs: DeltaRuleInputs) -> bool:
+def chunk_kernels_run(inputs: DeltaRuleInputs) -> bool:
     """Whether the Triton chunk kernels serve these CUDA inputs: not float64 (the oracle's
     dtype), head dims the kernels' shared-memory budget holds, and not bf16 past
     ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns (``chunk_kda`` computes those in fp32;
@@ -165,8 +165,8 @@ def _chunk_kernels_run(inputs: DeltaRuleInputs) -> bool:
 
 def _keeps_saved(inputs: DeltaRuleInputs) -> bool:
     """Whether ``kda::chunk_train`` returns the backward's saved tensors (the Triton path:
-    CUDA, Triton installed, :func:`_chunk_kernels_run`)."""
-    return kernels.AVAILABLE and inputs.q.device.type == "cuda" and _chunk_kernels_run(inputs)
+    CUDA, Triton installed, :func:`chunk_kernels_run`)."""
+    return kernels.AVAILABLE and inputs.q.device.type == "cuda" and chunk_kernels_run(inputs)
 
 
 def recurrent_kernel_runs(inputs: DeltaRuleInputs) -> bool:
@@ -342,11 +342,11 @@ if kernels.AVAILABLE:
     from kda_ops.kernels.chunk.launch import launch_chunk_kda
     from kda_ops.kernels.recurrent import launch_recurrent_kda
 
-    @cuda_kernel(chunk_op, runs=_chunk_kernels_run)
+    @cuda_kernel(chunk_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
         return launch_chunk_kda(*inputs, initial_state, cu_seqlens, *options)
 
-    @cuda_kernel(chunk_states_op, runs=_chunk_kernels_run)
+    @cuda_kernel(chunk_states_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
         q, v = inputs.q, inputs.v
         shape = (_chunk_state_rows(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
@@ -357,7 +357,7 @@ if kernels.AVAILABLE:
                                     chunk_states=chunk_states)  # fmt: skip
         return o, final, chunk_states
 
-    @cuda_kernel(delta_rule_backward_op, runs=_chunk_kernels_run)
+    @cuda_kernel(delta_rule_backward_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options):
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
         return launch_chunk_kda_backward(*inputs, initial_state, cu_seqlens, grad_o,

@@ -45,6 +45,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import arguments, kernels
+from kda_ops.delta_rule import chunk_kernels_run
 from kda_ops.kernels.launches import LaunchPlan
 from kda_ops.signature import DeltaRuleInputs
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
@@ -90,11 +91,10 @@ def _conv_prefill_fits(args: Arguments) -> bool:
 def _chunk_fits(args: Arguments) -> bool:
     """Shapes the chunk kernels serve, in one serial scan per sequence: static shapes the op
     would run in segments keep the op (``recurrence_segments``)."""
-    from kda_ops.delta_rule import _chunk_kernels_run
     from kda_ops.kernels.chunk.segments import recurrence_segments
 
     inputs = DeltaRuleInputs(*(args[name] for name in DeltaRuleInputs._fields))
-    if not (_on_kernels(args) and _chunk_kernels_run(inputs)):
+    if not (_on_kernels(args) and chunk_kernels_run(inputs)):
         return False
     batch, length, value_heads, head_v = inputs.v.shape
     if not all(isinstance(size, int) for size in (batch, length)):
