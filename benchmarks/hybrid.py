@@ -6,7 +6,10 @@ Prefill: B = 1, T = 8192, tokens/s, into caches allocated before the timed calls
 second row allocates and zero-fills each inside the timed call; a third replays (b) as CUDA
 graphs, ``mode="reduce-overhead"``, from one static empty cache). Decode:
 B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhead"``, CUDA
-graphs), tokens/s. Prints a table with the ratios (medians over the timed calls) and
+graphs), tokens/s. Training step: B = 1, T = 8192, forward, cross-entropy loss, backward
+and an AdamW step of every parameter, (b) with the loss and its backward compiled (the
+optimizer eager in both), tokens/s. Prints a table with the ratios (medians over the timed
+calls) and
 writes the rows, with every call's tokens/s, to ``--out`` (default
 ``benchmarks/results/hybrid.json``). Needs a CUDA GPU and ``fla-core`` (run with
 ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
@@ -49,6 +52,7 @@ class Sizes:
     decode_batch: int
     prompt: int
     decode_steps: int
+    train_length: int
     repeats: int
 
 
@@ -57,11 +61,11 @@ def sizes(quick: bool, layers: int, vocab: int) -> Sizes:
         config = HybridConfig(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64,
                               num_layers=layers, vocab_size=vocab)  # fmt: skip
         return Sizes(config, prefill_length=512, decode_batch=8, prompt=64, decode_steps=8,
-                     repeats=2)  # fmt: skip
+                     train_length=512, repeats=2)  # fmt: skip
     config = HybridConfig.kimi_linear_48b(num_layers=layers, vocab_size=vocab)
     # Median of 10 (was 3; ~0.3 s a side): the prefill ratio sits near its 1.3 target.
     return Sizes(config, prefill_length=8192, decode_batch=64, prompt=512, decode_steps=32,
-                 repeats=10)  # fmt: skip
+                 train_length=8192, repeats=10)  # fmt: skip
 
 
 def fla_kernels() -> KDAKernels:
@@ -161,6 +165,32 @@ def decode_tokens_per_s(decode_: Callable, cache: Cache, s: Sizes) -> list[float
     return [s.decode_batch * s.decode_steps / seconds for seconds in timed(run, s.repeats)]
 
 
+def language_model_loss(model: HybridLM) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Next-token cross-entropy of ``model``'s prefill logits (fp32) from an empty cache."""
+
+    def loss(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, _ = model.prefill(ids, model.new_cache(ids.shape[0], max_seq_len=ids.shape[1]))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return loss
+
+
+def train_tokens_per_s(model: HybridLM, loss: Callable, s: Sizes) -> tuple[list[float], float]:
+    """Tokens/s of each timed training step (``loss``, its backward, an AdamW step of every
+    parameter of ``model``) and the first step's loss."""
+    ids, targets = (torch.randint(0, s.config.vocab_size, (1, s.train_length), device="cuda")
+                    for _ in range(2))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    first_loss = loss(ids, targets).item()
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss(ids, targets).backward()
+        optimizer.step()
+
+    return [s.train_length / seconds for seconds in timed(run, s.repeats)], first_loss
+
+
 def prompt_cache(model: HybridLM, s: Sizes) -> Cache:
     ids = torch.randint(0, s.config.vocab_size, (s.decode_batch, s.prompt), device="cuda")
     cache = model.new_cache(s.decode_batch, max_seq_len=s.prompt + s.decode_steps)
@@ -234,7 +264,21 @@ def main() -> None:
         eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
         compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
         report(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
-    print(f"\nprefill logits, (b) against (a): relative error {logits_error:.2e}")
+    # Training: fresh copies of the same weights, every parameter trained.
+    with torch.device("cuda"):
+        ours_train = HybridLM(s.config).to(torch.bfloat16).train()
+        fla_train = HybridLM(s.config, kernels=fla_kernels()).to(torch.bfloat16).train()
+    ours_train.load_state_dict(ours.state_dict())
+    fla_train.load_state_dict(ours.state_dict())
+    eager, eager_loss = train_tokens_per_s(fla_train, language_model_loss(fla_train), s)
+    compiled_loss = torch.compile(language_model_loss(ours_train), backend="kda", fullgraph=True)
+    compiled, first_loss = train_tokens_per_s(ours_train, compiled_loss, s)
+    report(f"training step B=1 T={s.train_length}", eager, compiled, 1.25)
+    print(f"\nfirst training loss: (a) {eager_loss:.6f}, (b) {first_loss:.6f}")
+    results.add(row(f"training step B=1 T={s.train_length}", "kda-ops",
+                    "loss_difference_vs_fla_eager", [abs(first_loss - eager_loss)],
+                    "absolute"))  # fmt: skip
+    print(f"prefill logits, (b) against (a): relative error {logits_error:.2e}")
     results.add(row(f"prefill B=1 T={s.prefill_length}", "kda-ops", "logits_error_vs_fla_eager",
                     [logits_error], "relative"))  # fmt: skip
     print(f"wrote {results.path}")
