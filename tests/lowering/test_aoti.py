@@ -188,7 +188,8 @@ def _assert_greedy_equal(got: export_aoti.Greedy, expected: export_aoti.Greedy) 
 
 # A package of one Linear layer, loaded in a fresh process: whether this torch's Python
 # loader runs packages of the device at all (on the H200, torch 2.11's crashed with a
-# segfault in its device-string parsing for every CUDA package, while C++ loaded them).
+# segfault in its device-string parsing on the hybrid model's CUDA packages, which C++
+# loaded and ran).
 PLAIN_PACKAGE = """
 import sys, torch
 path = sys.argv[2]
