@@ -9,8 +9,7 @@ B = 64 after a 512-token prompt, in-place ``decode_`` (b: ``mode="reduce-overhea
 graphs), tokens/s. Training step: B = 1, T = 8192, forward, cross-entropy loss, backward
 and an AdamW step of every parameter, (b) with the loss and its backward compiled (the
 optimizer eager in both), tokens/s. Prints a table with the ratios (medians over the timed
-calls) and
-writes the rows, with every call's tokens/s, to ``--out`` (default
+calls) and writes the rows, with every call's tokens/s, to ``--out`` (default
 ``benchmarks/results/hybrid.json``). Needs a CUDA GPU and ``fla-core`` (run with
 ``FLA_DISABLE_BACKEND_DISPATCH=1``). Usage::
 
