@@ -54,12 +54,12 @@ def dot_block(n: int) -> int:
 
 
 def prepare_warps(block_k: int) -> int:
-    """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 64
-    key columns, 8 past them (``benchmarks/launch_sweep.py --only prepare``). No register
-    cap: at 8 warps a cap that fits two programs per SM makes the program spill, which
-    costs more than the second program gains. Past 128 columns the same launch still
-    fits: it takes every register and a little stack, and little shared memory."""
-    return 4 if block_k <= 64 else 8
+    """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 128
+    key columns, 8 past them. The program holds one 16-row block at a time, which at 4
+    warps takes under 256 registers, two programs an SM; at 8 warps the forward at
+    H = 64 took 1.7× as long (``benchmarks/ab.py --forward``). Past 128 columns a block's
+    tiles need the 8 warps' registers."""
+    return 4 if block_k <= 128 else 8
 
 
 def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,

@@ -2,9 +2,10 @@
 value heads), and the program body it shares with the backward's prepare kernel
 (``prepare_chunks``).
 
-Per chunk of C = 64 tokens, in four row blocks of 16: gate activation and in-chunk
-cumulative log-decay G, l2norm of q and k, beta sigmoid, and the UT/WY solve by block
-forward substitution, every solved block kept in registers. It stores what the recurrence
+Per chunk of C = 64 tokens, in four row blocks of 16 taken one after another: gate
+activation and in-chunk cumulative log-decay G, l2norm of q and k, beta sigmoid, and the
+UT/WY solve by block forward substitution, each block reading the solved blocks before it
+back from the outputs it stored them to (``_prepare_chunk``). It stores what the recurrence
 (``recurrence.py``) needs: ``w = T β (K ⊙ Γ)``, ``u = T β V``, ``qg = scale Q ⊙ Γ``,
 ``kd = K ⊙ Γ_C / Γ``, ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and the chunk's total log-decay
 G_C (fp32), where Γ = exp(G) and ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
@@ -91,17 +92,6 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
                   other=0.0)  # fmt: skip
     r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0)
     return raw_g, r_q, r_k, r_v, r_beta
-
-
-@triton.jit
-def _reloaded(A_log, dt_bias, rate, bias, i_hv, offs_k, mask_k, K: tl.constexpr,
-              SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-              RELOAD: tl.constexpr):  # fmt: skip
-    """``gate_parameters`` loaded again with ``RELOAD``, else ``rate`` and ``bias``."""
-    if RELOAD:
-        rate, bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
-                                     USE_GATE, HAS_DT_BIAS)  # fmt: skip
-    return rate, bias
 
 
 @triton.jit
@@ -205,19 +195,15 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
 @triton.jit
 def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
                rhs_w, rhs_u, aqk, solve, tile_offsets, scale,
-               DOT_PRECISION: tl.constexpr, ADJACENT: tl.constexpr):  # fmt: skip
+               DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Couples a row block to an earlier, solved column block: stores their Aqk tile (at
     ``aqk + tile_offsets``; A_ij's at ``solve + tile_offsets`` when given) and subtracts
     ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns. The gap
     between the column block's end and the row block's start decays the column side
-    (factor <= 1), which both products share; ``ADJACENT``: the column block is the one
-    just before, no gap."""
+    (factor <= 1; 1 for the block just before), which both products share."""
     dot_dtype = col_w.dtype
-    if ADJACENT:
-        col = tl.trans(col_k_out.to(dot_dtype))
-    else:
-        gap = fast_exp(decay_before - col_decay_after)[None, :]
-        col = tl.trans((col_k_out * gap).to(dot_dtype))
+    gap = fast_exp(decay_before - col_decay_after)[None, :]
+    col = tl.trans((col_k_out * gap).to(dot_dtype))
     a_qk = tl.dot(q_in.to(dot_dtype), col, input_precision=DOT_PRECISION) * scale
     tl.store(aqk + tile_offsets, a_qk.to(aqk.dtype.element_ty))
     a_kk = r_beta[:, None] * tl.dot(k_in.to(dot_dtype), col, input_precision=DOT_PRECISION)
@@ -245,18 +231,6 @@ def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_
     tl.store(w + rows * K + offs_k[None, :], b_w, mask=in_seq[:, None] & mask_k[None, :])
     tl.store(u + rows * V + offs_v[None, :], b_u, mask=in_seq[:, None] & mask_v[None, :])
     return b_w, b_u
-
-
-@triton.jit
-def _store_kd(kd, k_out, decay_after, chunk_decay, start, remaining, i_b, i_hv, offs_k,
-              mask_k, HV: tl.constexpr, K: tl.constexpr):  # fmt: skip
-    """kd rows of a block: k decayed to the chunk's end."""
-    sub = tl.arange(0, BLOCK)
-    tokens = start + i_b * BLOCK + sub
-    in_seq = i_b * BLOCK + sub < remaining
-    b_kd = k_out * fast_exp(chunk_decay - decay_after)[None, :]
-    tl.store(kd + (tokens * HV + i_hv)[:, None] * K + offs_k[None, :],
-             b_kd.to(kd.dtype.element_ty), mask=in_seq[:, None] & mask_k[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -327,14 +301,17 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
 
 
 @triton.jit
-def _store_inverse(t_rows, t00, t11, t22, t33):
+def _store_inverse(t_rows):
     """T = (I + A)⁻¹ of a chunk by 16-row blocks, T_IJ = -T_II Σ_{J <= L < I} A_IL T_LJ,
-    over the A tiles below the diagonal that ``t_rows`` holds (tile (I, J) at
-    ``t_rows + (I * 64 + J) * BLOCK``), given the diagonal inverses; overwrites them with
-    T's, and T's diagonal tiles. Read back from memory, the A tiles reach these small dots
-    without the compiler recomputing the dots that made them in the dots' layout."""
-    tl.debug_barrier()  # every A tile stored
+    over the tiles ``t_rows`` holds (tile (I, J) at ``t_rows + (I * 64 + J) * BLOCK``):
+    the A tiles below the diagonal and the diagonal inverses T_II; overwrites the A tiles
+    with T's."""
+    tl.debug_barrier()  # every tile stored
     tile = BLOCK * 64
+    t00 = tl.load(t_rows)
+    t11 = tl.load(t_rows + tile + BLOCK)
+    t22 = tl.load(t_rows + 2 * tile + 2 * BLOCK)
+    t33 = tl.load(t_rows + 3 * tile + 3 * BLOCK)
     a10 = tl.load(t_rows + tile)
     a20 = tl.load(t_rows + 2 * tile)
     a21 = tl.load(t_rows + 2 * tile + BLOCK)
@@ -348,16 +325,12 @@ def _store_inverse(t_rows, t00, t11, t22, t33):
     t31 = _inverse_tile(t33, _dot(a31, t11) + _dot(a32, t21))
     t32 = _inverse_tile(t33, _dot(a32, t22))
     tl.debug_barrier()  # every A tile read
-    tl.store(t_rows, t00)
     tl.store(t_rows + tile, t10)
-    tl.store(t_rows + tile + BLOCK, t11)
     tl.store(t_rows + 2 * tile, t20)
     tl.store(t_rows + 2 * tile + BLOCK, t21)
-    tl.store(t_rows + 2 * tile + 2 * BLOCK, t22)
     tl.store(t_rows + 3 * tile, t30)
     tl.store(t_rows + 3 * tile + BLOCK, t31)
     tl.store(t_rows + 3 * tile + 2 * BLOCK, t32)
-    tl.store(t_rows + 3 * tile + 3 * BLOCK, t33)
 
 
 @triton.jit
@@ -371,6 +344,17 @@ def _inverse_tile(t_diag, acc):
     """Block (I, J) of T below the diagonal, -T_II Σ_{J <= L < I} A_IL T_LJ, given T_II
     and the sum."""
     return -_dot(t_diag, acc)
+
+
+@triton.jit
+def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
+                K: tl.constexpr):  # fmt: skip
+    """Offsets and mask of row block i_b's [BLOCK, BK] tile of a ``[B, T, HV, K]`` tensor."""
+    sub = tl.arange(0, BLOCK)
+    tokens = start + i_b * BLOCK + sub
+    in_seq = i_b * BLOCK + sub < remaining
+    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    return offsets, in_seq[:, None] & mask_k[None, :]
 
 
 @triton.jit
@@ -388,7 +372,14 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     the chunk's place, as ``aqk``), the cumulative log-decay and l2norm factors
     (``_open_block``) and whether a row block decays past ``PAIRS_DENSE_LIMIT``
     (``pair_limits``, int8, without the safe gate). Returns whether every row block
-    decays within ``dense_decay_limit``."""
+    decays within ``dense_decay_limit``.
+
+    One row block at a time, in a loop: a block reads the earlier blocks it is coupled to
+    (their w and u rows, and their k decayed to the block's end, which ``kd`` holds until
+    the chunk's decay is known) back from memory, where this program stored them. Only
+    one block is live in registers, so a program fits 4 warps at half the registers, and
+    several programs share an SM: the one-pass kernel that held all four blocks took every
+    register of 8 warps, one program an SM."""
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     offs_v = tl.arange(0, BV)
@@ -398,99 +389,60 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     square = ((i_c * HV + i_hv).to(tl.int64) * 64 + sub)[:, None] * 64 + sub[None, :]
     aqk_rows = aqk + square
     tile = BLOCK * 64  # one row block down
+    blocks = tl.arange(0, 4)
+    block_ends = tl.zeros([4, BK], dtype=tl.float32)  # cumulative log-decay at block ends
+    least = tl.zeros([BK], dtype=tl.float32)  # the least block decay, per channel
+    decay_before = tl.zeros([BK], dtype=tl.float32)
+    for i_b in tl.range(0, 4, num_stages=1):
+        # fmt: off
+        raw_g, r_q, r_k, r_v, r_beta = _load_block(q, k, v, g, beta, start, remaining, i_b,
+                                                   i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
+                                                   H, HV, K, V, SCALAR_GATE)
+        gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K,
+                                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS)
+        k_in, q_in, k_out, r_beta, rhs_w, rhs_u, a_kk, decay_after = _open_block(
+            raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
+            remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
+            k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
+            USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+        inverse = inverse_unit_lower(a_kk, DOT_PRECISION)
+        key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
+        tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
+        for j_b in tl.range(0, i_b, num_stages=1):
+            key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
+            value_rows, value_mask = _block_rows(start, remaining, j_b, i_hv, offs_v, mask_v,
+                                                 HV, V)
+            col_k_out = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32)
+            col_w = tl.load(w + key_rows, mask=key_mask, other=0.0)
+            col_u = tl.load(u + value_rows, mask=value_mask, other=0.0)
+            col_decay_after = tl.sum(tl.where(blocks[:, None] == j_b, block_ends, 0.0), axis=0)
+            rhs_w, rhs_u = _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after,
+                                      col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
+                                      square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
+        _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
+                     offs_v, mask_v, HV, K, V, DOT_PRECISION)
+        # fmt: on
+        if solve is not None:
+            tl.store(solve + square + i_b * (tile + BLOCK), inverse)
+        block_ends = tl.where(blocks[:, None] == i_b, decay_after[None, :], block_ends)
+        least = tl.minimum(least, decay_after - decay_before)
+        decay_before = decay_after
+        tl.debug_barrier()  # this block's stores land before the next block reads them
 
-    # The four row blocks, unrolled so every solved block stays in registers.
-    # fmt: off
-    g0, q0, k0, v0, beta0 = _load_block(q, k, v, g, beta, start, remaining, 0, i_h, i_hv, offs_k,
-                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
-    g1, q1, k1, v1, beta1 = _load_block(q, k, v, g, beta, start, remaining, 1, i_h, i_hv, offs_k,
-                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
-    g2, q2, k2, v2, beta2 = _load_block(q, k, v, g, beta, start, remaining, 2, i_h, i_hv, offs_k,
-                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
-    g3, q3, k3, v3, beta3 = _load_block(q, k, v, g, beta, start, remaining, 3, i_h, i_hv, offs_k,
-                                        mask_k, offs_v, mask_v, H, HV, K, V, SCALAR_GATE)
-    gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
-                                           USE_GATE, HAS_DT_BIAS)
-    # The launch that also keeps T (the backward's kernel 1) reloads them for each row block:
-    # held across the blocks they spill there.
-    reload = solve is not None
-
-    decay0 = tl.zeros([BK], dtype=tl.float32)
-    _, _, k_out0, _, rhs_w0, rhs_u0, a0, decay1 = _open_block(
-        g0, q0, k0, v0, beta0, gate_rate, gate_bias, scale, lower_bound, start, remaining, 0,
-        i_hv, decay0, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
-    t00 = inverse_unit_lower(a0, DOT_PRECISION)  # off the elimination chain
-    w0, u0 = _solve_block(t00, rhs_w0, rhs_u0, w, u, start, remaining, 0, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
-
-    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
-                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
-    k_in1, q_in1, k_out1, beta1, rhs_w1, rhs_u1, a1, decay2 = _open_block(
-        g1, q1, k1, v1, beta1, gate_rate, gate_bias, scale, lower_bound, start, remaining, 1,
-        i_hv, decay1, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
-    t11 = inverse_unit_lower(a1, DOT_PRECISION)
-    rhs_w1, rhs_u1 = _eliminate(k_in1, q_in1, beta1, decay1, decay1, k_out0, w0, u0,
-                                rhs_w1, rhs_u1, aqk, solve, square + tile, scale,
-                                DOT_PRECISION, True)
-    w1, u1 = _solve_block(t11, rhs_w1, rhs_u1, w, u, start, remaining, 1, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
-
-    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
-                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
-    k_in2, q_in2, k_out2, beta2, rhs_w2, rhs_u2, a2, decay3 = _open_block(
-        g2, q2, k2, v2, beta2, gate_rate, gate_bias, scale, lower_bound, start, remaining, 2,
-        i_hv, decay2, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
-    t22 = inverse_unit_lower(a2, DOT_PRECISION)
-    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay1, k_out0, w0, u0,
-                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile, scale,
-                                DOT_PRECISION, False)
-    rhs_w2, rhs_u2 = _eliminate(k_in2, q_in2, beta2, decay2, decay2, k_out1, w1, u1,
-                                rhs_w2, rhs_u2, aqk, solve, square + 2 * tile + BLOCK, scale,
-                                DOT_PRECISION, True)
-    w2, u2 = _solve_block(t22, rhs_w2, rhs_u2, w, u, start, remaining, 2, i_hv, offs_k, mask_k,
-                          offs_v, mask_v, HV, K, V, DOT_PRECISION)
-
-    gate_rate, gate_bias = _reloaded(A_log, dt_bias, gate_rate, gate_bias, i_hv, offs_k, mask_k,
-                                     K, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, reload)
-    k_in3, q_in3, k_out3, beta3, rhs_w3, rhs_u3, a3, decay4 = _open_block(
-        g3, q3, k3, v3, beta3, gate_rate, gate_bias, scale, lower_bound, start, remaining, 3,
-        i_hv, decay3, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm, k_norm, HV, K, BK, SCALAR_GATE,
-        USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM, USE_BETA_SIGMOID,
-        DOT_PRECISION)
-    t33 = inverse_unit_lower(a3, DOT_PRECISION)
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay1, k_out0, w0, u0,
-                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile, scale,
-                                DOT_PRECISION, False)
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay2, k_out1, w1, u1,
-                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + BLOCK, scale,
-                                DOT_PRECISION, False)
-    rhs_w3, rhs_u3 = _eliminate(k_in3, q_in3, beta3, decay3, decay3, k_out2, w2, u2,
-                                rhs_w3, rhs_u3, aqk, solve, square + 3 * tile + 2 * BLOCK, scale,
-                                DOT_PRECISION, True)
-    _solve_block(t33, rhs_w3, rhs_u3, w, u, start, remaining, 3, i_hv, offs_k, mask_k, offs_v,
-                 mask_v, HV, K, V, DOT_PRECISION)
-
-    # kd needs the decay at the chunk's end, known only now.
-    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay4, mask=mask_k)
-    _store_kd(kd, k_out0, decay1, decay4, start, remaining, 0, i_hv, offs_k, mask_k, HV, K)
-    _store_kd(kd, k_out1, decay2, decay4, start, remaining, 1, i_hv, offs_k, mask_k, HV, K)
-    _store_kd(kd, k_out2, decay3, decay4, start, remaining, 2, i_hv, offs_k, mask_k, HV, K)
-    _store_kd(kd, k_out3, decay4, decay4, start, remaining, 3, i_hv, offs_k, mask_k, HV, K)
+    # kd: k decayed to the chunk's end, known only now.
+    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay_before,
+             mask=mask_k)  # fmt: skip
+    for j_b in tl.range(0, 4):
+        key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
+        block_end = tl.sum(tl.where(blocks[:, None] == j_b, block_ends, 0.0), axis=0)
+        to_chunk_end = fast_exp(decay_before - block_end)[None, :]
+        b_kd = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32) * to_chunk_end
+        tl.store(kd + key_rows, b_kd.to(kd.dtype.element_ty), mask=key_mask)
 
     if solve is not None:
-        _store_inverse(solve + square, t00, t11, t22, t33)
-    # fmt: on
+        _store_inverse(solve + square)
     # Whether the dense diagonal dots were in range: every block's decay within the limit.
-    blocks = tl.minimum(
-        tl.minimum(decay1, decay2 - decay1), tl.minimum(decay3 - decay2, decay4 - decay3)
-    )
-    least = tl.min(blocks, axis=0)
+    smallest = tl.min(least, axis=0)
     if pair_limits is not None:
-        tl.store(pair_limits + i_c * HV + i_hv, (least < -PAIRS_DENSE_LIMIT).to(tl.int8))
-    return least >= -dense_decay_limit(qg.dtype.element_ty)
+        tl.store(pair_limits + i_c * HV + i_hv, (smallest < -PAIRS_DENSE_LIMIT).to(tl.int8))
+    return smallest >= -dense_decay_limit(qg.dtype.element_ty)

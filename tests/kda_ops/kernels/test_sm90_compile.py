@@ -434,7 +434,7 @@ def test_scans_run_ahead_where_they_fit():
 def test_launches_up_to_128_columns_as_tuned():
     """The warps and steps of the K, V <= 128 launches, as measured on the H200."""
     for block in (16, 32, 64, 128):
-        assert prepare_warps(block) == (4 if block <= 64 else 8)
+        assert prepare_warps(block) == 4
         assert scan_warps(block) == 4
         for block_v in (16, 32, 64, 128):
             for itemsize, stages in ((2, 2), (4, 1)):

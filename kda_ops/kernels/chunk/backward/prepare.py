@@ -1,6 +1,6 @@
 """Kernel 1 of the backward, ``chunk_bwd_prepare_kernel`` (token-parallel, grid: chunks ×
-value heads): the forward's prepare program (``prepare_chunks``, its four 16-row blocks in
-registers: w, qg, kd, u in the input dtype, Aqk, the chunks' total log-decay), which here
+value heads): the forward's prepare program (``prepare_chunks``, its four 16-row blocks one
+after another: w, qg, kd, u in the input dtype, Aqk, the chunks' total log-decay), which here
 also stores G (fp32), the 64×64 inverse T by blocks (fp32: the backward applies Tᵀ, so it
 needs T itself, not just T applied to the forward's right-hand sides) and, with the
 l2norm, the rows' inverse norms (fp32). The forward's ``chunk_recurrence_kernel``
