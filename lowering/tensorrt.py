@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kda_ops.kernels.chunk.device import CHUNK
-from kda_ops.kernels.chunk.planning import scan_stages, uses_safe_gate
+from kda_ops.kernels.chunk.planning import prepare_warps, scan_stages, uses_safe_gate
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
 from kda_ops.kernels.conv.forward import causal_conv1d_kernel, conv_final_state_kernel
@@ -286,7 +286,7 @@ PLUGINS: dict[str, PluginKernel] = {
         constexprs=_chunk_prepare_constexprs,
         grid=lambda s, c: (chunk_count(s), c["HV"], 1),
         float32_params=("A_log", "dt_bias", "chunk_decay"),
-        num_warps=lambda c: 4 if c["BK"] <= 64 else 8,
+        num_warps=lambda c: prepare_warps(c["BK"]),
     ),
     "chunk_recurrence": PluginKernel(
         name="chunk_recurrence",
