@@ -74,8 +74,7 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
                 SCALAR_GATE: tl.constexpr):  # fmt: skip
     """Raw inputs of row block i_b, in their storage dtype, zero past the sequence's end:
     g ([BLOCK, BK], or [BLOCK] for a scalar gate), q, k ([BLOCK, BK]), v ([BLOCK, BV]),
-    beta ([BLOCK]). The kernel issues all four blocks' loads before any math, so their
-    latencies overlap instead of stalling each block in turn."""
+    beta ([BLOCK])."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
@@ -377,9 +376,9 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     One row block at a time, in a loop: a block reads the earlier blocks it is coupled to
     (their w and u rows, and their k decayed to the block's end, which ``kd`` holds until
     the chunk's decay is known) back from memory, where this program stored them. Only
-    one block is live in registers, so a program fits 4 warps at half the registers, and
-    several programs share an SM: the one-pass kernel that held all four blocks took every
-    register of 8 warps, one program an SM."""
+    one block is live in registers: a program takes 4 warps and under 256 registers, two
+    programs an SM, where the one-pass kernel that held all four blocks took every register
+    of 8 warps, one program an SM."""
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     offs_v = tl.arange(0, BV)
@@ -393,6 +392,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     block_ends = tl.zeros([4, BK], dtype=tl.float32)  # cumulative log-decay at block ends
     least = tl.zeros([BK], dtype=tl.float32)  # the least block decay, per channel
     decay_before = tl.zeros([BK], dtype=tl.float32)
+    # Not pipelined: loading the next block ahead takes every register and spills.
     for i_b in tl.range(0, 4, num_stages=1):
         # fmt: off
         raw_g, r_q, r_k, r_v, r_beta = _load_block(q, k, v, g, beta, start, remaining, i_b,
