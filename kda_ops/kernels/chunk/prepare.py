@@ -215,21 +215,34 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
 
 
 @triton.jit
-def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """w, u rows of a block, its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
-    eliminated right-hand sides; stored, and returned in the storage dtype for the later
-    blocks."""
+def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
+                K: tl.constexpr):  # fmt: skip
+    """Offsets and mask of row block i_b's [BLOCK, BK] tile of a ``[B, T, HV, K]`` tensor."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
+    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
+    return offsets, in_seq[:, None] & mask_k[None, :]
+
+
+@triton.jit
+def _block_row(rows, i):
+    """Row i (a tensor index) of a [4, BK] tile of per-block values, [BK]."""
+    return tl.sum(tl.where(tl.arange(0, 4)[:, None] == i, rows, 0.0), axis=0)
+
+
+@triton.jit
+def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
+                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Stores a block's w, u rows: its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
+    eliminated right-hand sides, in the storage dtype (what the later blocks read back)."""
     b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
-    rows = (tokens * HV + i_hv)[:, None]
-    tl.store(w + rows * K + offs_k[None, :], b_w, mask=in_seq[:, None] & mask_k[None, :])
-    tl.store(u + rows * V + offs_v[None, :], b_u, mask=in_seq[:, None] & mask_v[None, :])
-    return b_w, b_u
+    key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
+    value_rows, value_mask = _block_rows(start, remaining, i_b, i_hv, offs_v, mask_v, HV, V)
+    tl.store(w + key_rows, b_w, mask=key_mask)
+    tl.store(u + value_rows, b_u, mask=value_mask)
 
 
 @triton.jit
@@ -346,17 +359,6 @@ def _inverse_tile(t_diag, acc):
 
 
 @triton.jit
-def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
-                K: tl.constexpr):  # fmt: skip
-    """Offsets and mask of row block i_b's [BLOCK, BK] tile of a ``[B, T, HV, K]`` tensor."""
-    sub = tl.arange(0, BLOCK)
-    tokens = start + i_b * BLOCK + sub
-    in_seq = i_b * BLOCK + sub < remaining
-    offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-    return offsets, in_seq[:, None] & mask_k[None, :]
-
-
-@triton.jit
 def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
                    i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g, solve, q_norm, k_norm,
                    pair_limits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -415,7 +417,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             col_k_out = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32)
             col_w = tl.load(w + key_rows, mask=key_mask, other=0.0)
             col_u = tl.load(u + value_rows, mask=value_mask, other=0.0)
-            col_decay_after = tl.sum(tl.where(blocks[:, None] == j_b, block_ends, 0.0), axis=0)
+            col_decay_after = _block_row(block_ends, j_b)
             rhs_w, rhs_u = _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after,
                                       col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
                                       square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
@@ -432,10 +434,9 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     # kd: k decayed to the chunk's end, known only now.
     tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay_before,
              mask=mask_k)  # fmt: skip
-    for j_b in tl.range(0, 4):
+    for j_b in tl.range(0, 3):  # the last block ends at the chunk's end: already kd
         key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
-        block_end = tl.sum(tl.where(blocks[:, None] == j_b, block_ends, 0.0), axis=0)
-        to_chunk_end = fast_exp(decay_before - block_end)[None, :]
+        to_chunk_end = fast_exp(decay_before - _block_row(block_ends, j_b))[None, :]
         b_kd = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32) * to_chunk_end
         tl.store(kd + key_rows, b_kd.to(kd.dtype.element_ty), mask=key_mask)
 
