@@ -63,6 +63,12 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 
 @triton.jit
+def tile_row(tile, i):
+    """Row ``i`` (a tensor index) of a 2-D tile, as a vector over its columns."""
+    return tl.sum(tl.where(tl.arange(0, tile.shape[0])[:, None] == i, tile, 0.0), axis=0)
+
+
+@triton.jit
 def block_cumsum(b_g, ROWS: tl.constexpr, BK: tl.constexpr):
     """(cumulative sum over the rows of a [ROWS, BK] fp32 tile, its total [BK]), from
     one scan over the tile followed by ROWS zero rows, whose sums are all the total.

@@ -40,6 +40,7 @@ from kda_ops.kernels.chunk.device import (
     dyadic_level,
     inverse_norm,
     locate_chunk,
+    tile_row,
     unit_rows,
 )
 from kda_ops.kernels.fast_exp import fast_exp
@@ -226,12 +227,6 @@ def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
 
 
 @triton.jit
-def _block_row(rows, i):
-    """Row i (a tensor index) of a [4, BK] tile of per-block values, [BK]."""
-    return tl.sum(tl.where(tl.arange(0, 4)[:, None] == i, rows, 0.0), axis=0)
-
-
-@triton.jit
 def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
                  offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):  # fmt: skip
@@ -394,7 +389,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     block_ends = tl.zeros([4, BK], dtype=tl.float32)  # cumulative log-decay at block ends
     least = tl.zeros([BK], dtype=tl.float32)  # the least block decay, per channel
     decay_before = tl.zeros([BK], dtype=tl.float32)
-    # Not pipelined: loading the next block ahead takes every register and spills.
+    # Not pipelined: Triton does not pipeline a loop that holds another loop, and loading
+    # the next block ahead by hand takes every register and spills.
     for i_b in tl.range(0, 4, num_stages=1):
         # fmt: off
         raw_g, r_q, r_k, r_v, r_beta = _load_block(q, k, v, g, beta, start, remaining, i_b,
@@ -417,7 +413,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             col_k_out = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32)
             col_w = tl.load(w + key_rows, mask=key_mask, other=0.0)
             col_u = tl.load(u + value_rows, mask=value_mask, other=0.0)
-            col_decay_after = _block_row(block_ends, j_b)
+            col_decay_after = tile_row(block_ends, j_b)
             rhs_w, rhs_u = _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after,
                                       col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
                                       square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
@@ -436,7 +432,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
              mask=mask_k)  # fmt: skip
     for j_b in tl.range(0, 3):  # the last block ends at the chunk's end: already kd
         key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
-        to_chunk_end = fast_exp(decay_before - _block_row(block_ends, j_b))[None, :]
+        to_chunk_end = fast_exp(decay_before - tile_row(block_ends, j_b))[None, :]
         b_kd = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32) * to_chunk_end
         tl.store(kd + key_rows, b_kd.to(kd.dtype.element_ty), mask=key_mask)
 

@@ -36,14 +36,15 @@ import triton.language as tl
 
 from kda_ops.kernels.chunk.backward.layout import Layout, key_columns
 from kda_ops.kernels.chunk.backward.rows import load_beta_rows, load_cum_rows, load_normed_rows
-from kda_ops.kernels.chunk.device import BLOCK, CHUNK, LOG2_BLOCK, dyadic_level, locate_chunk
+from kda_ops.kernels.chunk.device import (
+    BLOCK,
+    CHUNK,
+    LOG2_BLOCK,
+    dyadic_level,
+    locate_chunk,
+    tile_row,
+)
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
-
-
-@triton.jit
-def _row(x, sub, j):
-    """Row j of a 2-D block, as a vector over its columns."""
-    return tl.sum(tl.where(sub[:, None] == j, x, 0.0), axis=0)
 
 
 @triton.jit
@@ -164,7 +165,7 @@ def _open_rows(r_q, r_k, r_cum, dot_dtype: tl.constexpr):
     """A row block's reference (G of its first row, ``[BK]``), ``up = e^{G - ref}`` (<= 1,
     ``[BLOCK, BK]`` fp32) and its k̂, q̂ times ``up`` in the dot dtype, the row side of its
     pairs with earlier blocks."""
-    ref = _row(r_cum, tl.arange(0, BLOCK), 0)
+    ref = tile_row(r_cum, 0)
     up = tl.exp(r_cum - ref[None, :])
     return ref, up, (r_k * up).to(dot_dtype), (r_q * up).to(dot_dtype)
 
