@@ -36,6 +36,8 @@ from onnx.defs import OpSchema
 from onnxscript import BOOL, FLOAT, INT64, graph, script
 from onnxscript import opset18 as op
 
+from kda_ops.kernels.chunk import FORWARD_CHUNK
+
 MODES = ("portable", "plugin")
 PLUGIN_DOMAIN = "kda"
 PLUGIN_NAMESPACE = "kda"
@@ -396,7 +398,7 @@ PLUGIN_OPS: dict[str, dict[str, object]] = {
         rules=[_copy_type(2, 0), _copy_type(7, 1)],
     ),
     # The chunk prefill is a chain of two plugins (FlashKDA's two kernels); the chunk
-    # count of the intermediates (B * ceil(T / 64)) is left to TensorRT.
+    # count of the intermediates (B * ceil(T / FORWARD_CHUNK)) is left to TensorRT.
     "chunk_prepare": dict(
         inputs=["q", "k", "v", "g", "beta", "A_log", "dt_bias"],
         outputs=[
@@ -414,7 +416,7 @@ PLUGIN_OPS: dict[str, dict[str, object]] = {
             _copy_type(2, 2),
             _derived(3, _PER_TOKEN_K, elem_from=0),
             _derived(4, _PER_TOKEN_K, elem_from=0),
-            _derived(5, [None, (2, 2), 64, 64], elem_from=0),
+            _derived(5, [None, (2, 2), FORWARD_CHUNK, FORWARD_CHUNK], elem_from=0),
         ],
     ),
     "chunk_recurrence": dict(

@@ -34,7 +34,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.chunk.device import BLOCK
 from kda_ops.kernels.chunk.planning import prepare_warps, scan_stages, uses_safe_gate
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
@@ -251,6 +252,7 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
         HAS_DT_BIAS=base["HAS_DT_BIAS"], USE_LOWER_BOUND=base["USE_LOWER_BOUND"],
         SAFE_GATE=safe, USE_L2NORM=base["USE_L2NORM"], USE_BETA_SIGMOID=base["USE_BETA_SIGMOID"],
         IS_VARLEN=False, DOT_PRECISION=precision, CHUNKS="all",
+        BLOCKS=FORWARD_CHUNK // BLOCK.value,
     )  # fmt: skip
 
 
@@ -260,16 +262,17 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
     itemsize = getattr(torch, config.get("dtype") or "float32").itemsize
     return dict(first_head=0, HV=config["value_heads"], K=config["head_k"],
                 V=config["head_v"], WIDTH=config["head_v"], BK=block_k, BV=split_v,
-                HAS_INITIAL_STATE=True, IS_VARLEN=False,
+                STEP=FORWARD_CHUNK, HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
                 STORE_OUTPUT=True,
                 STAGES=config.get("stages") or scan_stages(
-                    block_k, split_v, itemsize, itemsize, True, SM90_SHARED_MEMORY))  # fmt: skip
+                    block_k, split_v, itemsize, itemsize, True, SM90_SHARED_MEMORY,
+                    FORWARD_CHUNK))  # fmt: skip
 
 
 def chunk_count(shapes: Shapes, name: str = "q") -> int:
-    """Chunks of a padded batch ``[B, T, ...]``: ``B * ceil(T / 64)``."""
-    return shapes[name][0] * cdiv(shapes[name][1], CHUNK)
+    """Prepare chunks of a padded batch ``[B, T, ...]``: ``B * ceil(T / FORWARD_CHUNK)``."""
+    return shapes[name][0] * cdiv(shapes[name][1], FORWARD_CHUNK)
 
 
 CHUNK_INTERMEDIATES = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
@@ -294,7 +297,7 @@ PLUGINS: dict[str, PluginKernel] = {
         inputs=(*CHUNK_INTERMEDIATES[1:], "chunk_decay", "initial_state"),
         int_args={"length": lambda s: s["u"][1]},
         outputs=("o", "final_state"),
-        absent=("cu_seqlens", "chunk_offsets", "chunk_states"),
+        absent=("cu_seqlens", "chunk_offsets", "state_offsets", "chunk_states"),
         constexprs=_chunk_recurrence_constexprs,
         grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["u"][0] * c["HV"], 1),
         float32_params=("chunk_decay", "initial_state", "final_state"),

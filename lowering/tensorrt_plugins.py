@@ -32,6 +32,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from lowering.tensorrt import PLUGINS, PluginKernel, Shapes, chunk_count, compile_for_tensorrt
 
 NAMESPACE = "kda"
@@ -116,7 +117,7 @@ SPECS: dict[str, PluginSpec] = {
         "w": Output(_tokens("q"), "q"),
         "u": Output(_tokens("v"), "q"), "qg": Output(_tokens("q"), "q"),
         "kd": Output(_tokens("q"), "q"),
-        "aqk": Output(lambda s: (chunk_count(s), s["v"][2], 64, 64), "q"),
+        "aqk": Output(lambda s: (chunk_count(s), s["v"][2], FORWARD_CHUNK, FORWARD_CHUNK), "q"),
     }),
     "chunk_recurrence": PluginSpec(PLUGINS["chunk_recurrence"], {}, _recurrence_config, {
         "o": Output(_same("u"), "u"), "final_state": Output(_same("initial_state"), None),

@@ -15,6 +15,7 @@ import torch
 
 import kda_ops
 from examples.export_onnx import export_hybrid, io_names
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from lowering import export
 from lowering import onnx as kda_onnx
 from tests.examples.cases import tiny_model
@@ -179,7 +180,7 @@ def test_chunk_plugin_chain_shape_inference(onnx_files):
     decay, w, u, qg, kd, aqk = (types[name] for name in prepare.output)
     assert decay.elem_type == onnx.TensorProto.FLOAT
     assert [d.dim_value for d in decay.shape.dim[1:]] == [2, 16]  # [chunks, HV, K]
-    assert [d.dim_value for d in aqk.shape.dim[1:]] == [2, 64, 64]
+    assert [d.dim_value for d in aqk.shape.dim[1:]] == [2, FORWARD_CHUNK, FORWARD_CHUNK]
     for per_token in (w, u, qg, kd):
         assert per_token.elem_type == onnx.TensorProto.FLOAT
         assert [d.dim_value for d in per_token.shape.dim[2:]] == [2, 16]

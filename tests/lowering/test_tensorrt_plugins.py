@@ -22,6 +22,7 @@ import torch
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import reference
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from lowering import tensorrt_plugins as qdp
 from lowering.tensorrt import compile_for_tensorrt
 from tests.lowering.ptx_launch import launch_ptx
@@ -98,11 +99,11 @@ def test_recurrent_plugin_matches_reference(length):
 @pytest.mark.parametrize("batch, length", [(2, 5), (1, 70)])
 def test_chunk_plugin_chain_matches_reference(batch, length):
     """prepare -> recurrence, the six intermediates passed as plugin outputs / inputs;
-    T = 70 spans two chunks, the second one partial."""
+    T = 70 spans five 16-token chunks, the last one partial."""
     inputs = _delta_inputs(batch, length)
     state = inputs.pop("state_in")
     prepared = launch_like_tensorrt("chunk_prepare", inputs, DELTA_ATTRS)
-    assert prepared["aqk"].shape[0] == batch * math.ceil(length / 64)
+    assert prepared["aqk"].shape[0] == batch * math.ceil(length / FORWARD_CHUNK)
     recurrence_inputs = {n: prepared[n] for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
     got = launch_like_tensorrt("chunk_recurrence", {**recurrence_inputs, "initial_state": state},
                                {})  # fmt: skip
@@ -113,8 +114,8 @@ def test_chunk_plugin_chain_matches_reference(batch, length):
 
 def test_chunk_plugin_chain_with_unbounded_gate_redoes_overflowing_chunks():
     """The softplus gate in the plugin's single prepare launch: each chunk takes the dense
-    diagonal dots first; the first chunk's decays of ~10 a token overflow them, so that
-    program redoes its chunk by the dyadic split, overwriting every output."""
+    diagonal dots first; the decays of ~10 a token of the first 64 tokens overflow them,
+    so those chunks' programs redo them by the dyadic split, overwriting every output."""
     inputs = _delta_inputs(1, 130)
     inputs["g"][:, :64] += 10.0
     state = inputs.pop("state_in")
@@ -232,11 +233,13 @@ def test_descriptor_logic_is_shape_expression_safe(name):
 
 
 def test_chunk_prepare_grid_and_intermediates_match_launch_chunk_kda():
-    """The plugin's grid and Aqk shape are launch_chunk_kda's: B * ceil(T / 64) chunks."""
+    """The plugin's grid and Aqk shape are launch_chunk_kda's: B * ceil(T / C) chunks of
+    C = FORWARD_CHUNK tokens."""
     shapes = _shapes("chunk_prepare", {"B": 3, "T": 130})
     config = qdp.kernel_config("chunk_prepare", shapes, DELTA_ATTRS, "bfloat16")
-    assert qdp.launch_grid("chunk_prepare", shapes, config) == (9, 2, 1)
-    assert qdp.output_shapes("chunk_prepare", shapes)["aqk"] == (9, 2, 64, 64)
+    chunks, size = 3 * math.ceil(130 / FORWARD_CHUNK), FORWARD_CHUNK
+    assert qdp.launch_grid("chunk_prepare", shapes, config) == (chunks, 2, 1)
+    assert qdp.output_shapes("chunk_prepare", shapes)["aqk"] == (chunks, 2, size, size)
     assert qdp.SPECS["chunk_prepare"].kernel.constexprs(config)["SAFE_GATE"]
     fp16 = qdp.kernel_config("chunk_prepare", shapes, DELTA_ATTRS, "float16")
     assert not qdp.SPECS["chunk_prepare"].kernel.constexprs(fp16)["SAFE_GATE"]

@@ -4,6 +4,7 @@ compiled models whose generated code launches the kernels itself, against eager.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import pytest
@@ -16,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import kda_ops
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from lowering.inductor.triton_kernels import TritonKernelsPass
 from tests.lowering.compiled import compile_kda
 
@@ -222,7 +224,8 @@ def test_chunk_becomes_prepare_then_recurrence(hopper_sizes, lower_bound, prepar
     if prepare_passes == 2:
         flags = {user.args[1]: user for user in prepares[0].users}["unbounded"]
         assert prepares[1].kwargs["kwargs"]["unbounded"] is flags
-    assert prepares[0].kwargs["grid"] == [(4, 2, 1)]  # 2 sequences x 2 chunks, 2 heads
+    # 2 sequences x 7 chunks of 16 tokens, 2 heads
+    assert prepares[0].kwargs["grid"] == [(2 * math.ceil(100 / FORWARD_CHUNK), 2, 1)]
     assert recurrence.kwargs["kwargs"]["initial_state"].op == "placeholder"
     assert sorted(recurrence.kwargs["tensors_to_clone"]) == ["final_state", "o"]
 

@@ -1,11 +1,18 @@
 """Chunkwise KDA / Gated DeltaNet: the forward in two kernels, as FlashKDA splits it, and
 its backward (``backward``).
 
-1. ``prepare.py``: ``chunk_prepare_kernel``, token-parallel, solves each chunk of C = 64
-   tokens on its own (gate, l2norm, beta sigmoid, the UT/WY solve) and stores w, u, qg,
-   kd, Aqk and the chunk's total log-decay.
+1. ``prepare.py``: ``chunk_prepare_kernel``, token-parallel, solves each chunk on its own
+   (gate, l2norm, beta sigmoid, the UT/WY solve) and stores w, u, qg, kd, Aqk and the
+   chunk's total log-decay. The forward's chunks are ``FORWARD_CHUNK`` = 16 tokens, one
+   row block each; the backward's are 64 (``reference.CHUNK_SIZE``), four row blocks.
 2. ``recurrence.py``: ``chunk_recurrence_kernel``, head-parallel, walks the chunks with
-   the state in registers and writes the outputs (and, when asked, the chunk states).
+   the state in registers and writes the outputs (and, when asked, the states at every
+   64-token chunk start).
+
+Why 16 in the forward: a 16-token chunk needs no coupling between row blocks, so a
+prepare program holds one block, takes half the registers of the 64-token one and runs
+four to an SM, twice as fast (``benchmarks/README.md``); the recurrence then takes four
+times the steps, which costs it less than that saves.
 
 ``launch.py`` launches the two (``launch_chunk_kda``); ``planning.py`` picks the
 launches' flags and sizes; ``segments.py`` runs a long sequence's recurrence in segments;
@@ -15,3 +22,5 @@ Both kernels order their parameters inputs → scalars → outputs and write eve
 element the next kernel reads (``Aqk`` above the diagonal is masked on load, never
 zero-filled), so they run as TensorRT AOT plugins (``lowering/tensorrt.py``).
 """
+
+FORWARD_CHUNK = 16  # tokens of a forward prepare chunk and of a recurrence step

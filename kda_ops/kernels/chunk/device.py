@@ -4,10 +4,11 @@ of the log-decay, the gate activation of a row block, the l2norm and beta sigmoi
 rows, and the dyadic split of a diagonal block's decay factors. Kept in one place so that
 the forward's prepare kernel and the backward's kernels compute these rows alike.
 
-Chunks are C = ``CHUNK`` = 64 tokens, in row blocks of ``BLOCK`` = 16 (the blocks of the
-prepare kernel's UT/WY solve). With packed sequences chunks are numbered per sequence on
-the device (``chunk_offsets``), so that a launch needs no host sync: the grid is an upper
-bound and ``locate_chunk`` gives the programs past the last chunk nothing to do."""
+Chunks are C = ``CHUNK`` = 64 tokens (the forward's prepare takes C = 16, one block), in
+row blocks of ``BLOCK`` = 16 (the blocks of the prepare kernel's UT/WY solve). With packed
+sequences chunks are numbered per sequence on the device (``chunk_offsets``), so that a
+launch needs no host sync: the grid is an upper bound and ``locate_chunk`` gives the
+programs past the last chunk nothing to do."""
 
 import triton
 import triton.language as tl
@@ -23,10 +24,11 @@ L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
 
 
 @triton.jit
-def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                 BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
-    """(first token of chunk i_c, tokens left in its sequence from there), both int64; none
-    left for the programs of the varlen grid's upper bound that have no chunk."""
+def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
+                 IS_VARLEN: tl.constexpr, C: tl.constexpr = 64):  # fmt: skip
+    """(first token of chunk i_c, tokens left in its sequence from there), both int64, for
+    chunks of C tokens (``chunk_offsets`` numbering them); none left for the programs of
+    the varlen grid's upper bound that have no chunk."""
     # One return after a constexpr if/else: Triton 3.6 type-checks every return it
     # reaches, and code after an early `return` inside a constexpr branch is reached.
     if IS_VARLEN:
@@ -37,20 +39,21 @@ def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
         first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
         bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
         eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
-        start = bos + (i_c - first_chunk).to(tl.int64) * 64
+        start = bos + (i_c - first_chunk).to(tl.int64) * C
         remaining = tl.where(valid, eos - start, 0)
     else:
-        n_chunks = tl.cdiv(length, 64)
+        n_chunks = tl.cdiv(length, C)
         seq = i_c // n_chunks
-        start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * 64
+        start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * C
         remaining = (seq + 1).to(tl.int64) * length - start
     return start, remaining
 
 
 @triton.jit
-def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr):
+def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr,
+                  C: tl.constexpr = 64):  # fmt: skip
     """(first token, length, global number of the first chunk) of sequence i_n, for the
-    head-parallel scans over its chunks; int64, int64, int32."""
+    head-parallel scans over its chunks of C tokens; int64, int64, int32."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         seq_len = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
@@ -58,7 +61,7 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
     else:
         bos = i_n.to(tl.int64) * length
         seq_len = (i_n * 0 + length).to(tl.int64)
-        first_chunk = i_n * tl.cdiv(length, 64)
+        first_chunk = i_n * tl.cdiv(length, C)
     return bos, seq_len, first_chunk
 
 

@@ -2,9 +2,10 @@
 bounded and unbounded launches; ``prepare.py``), then the recurrence over the chunks
 (``recurrence.py``), in one scan per sequence or in segments (``segments.py``).
 
-Varlen needs no host sync: chunks are numbered per sequence on the device
-(``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs past the
-last chunk exit."""
+The prepare's chunks and the recurrence's steps are ``FORWARD_CHUNK`` = 16 tokens (the
+package docstring says why). Varlen needs no host sync: chunks are numbered per sequence on
+the device (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs
+past the last chunk exit."""
 
 from typing import Optional
 
@@ -12,7 +13,8 @@ import torch
 from torch import Tensor
 
 from kda_ops import arguments
-from kda_ops.kernels.chunk.device import CHUNK
+from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.chunk.device import BLOCK
 from kda_ops.kernels.chunk.planning import dot_block, prepare_flags, prepare_warps
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
@@ -107,12 +109,13 @@ def launch_chunk_kda(
 
 
 def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+                      use_qk_l2norm, use_beta_sigmoid, chunk=None):  # fmt: skip
     """The prepare kernel's launches (once with the safe gate, else its bounded and
     unbounded ones), the intermediates they write ``(w, u, qg, kd, aqk, chunk_decay)``,
     the chunks' offsets of packed sequences (``None`` at fixed length) and the dot
     precision."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    chunk = FORWARD_CHUNK if chunk is None else chunk
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     if cu_seqlens is None:
@@ -120,9 +123,9 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
         chunk_offsets = None
     else:
         n_seqs = cu_seqlens.shape[0] - 1
-        chunk_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
+        chunk_offsets = sequence_chunk_offsets(cu_seqlens, chunk)
     # An upper bound with packed sequences (no host sync); programs past the end exit.
-    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK)
+    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, chunk)
     block_k, block_v = dot_block(head_k), dot_block(head_v)
     flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
                           use_beta_sigmoid)  # fmt: skip
@@ -130,7 +133,7 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     chunk_decay = torch.empty(n_chunks, value_heads, head_k, device=q.device, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     u = q.new_empty(*tokens_shape, head_v)
-    aqk = q.new_empty(n_chunks, value_heads, CHUNK, CHUNK)
+    aqk = q.new_empty(n_chunks, value_heads, chunk, chunk)
     writes = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
     if flags["SAFE_GATE"]:
         passes, unbounded = ("all",), None
@@ -146,7 +149,7 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
         # Only packed sequences search their sequence among BN (a fixed length divides).
         BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
-        num_warps=prepare_warps(block_k),
+        BLOCKS=chunk // BLOCK.value, num_warps=prepare_warps(block_k),
     )  # fmt: skip
     launches = [KernelLaunch(chunk_prepare_kernel, (n_chunks, value_heads),
                              {**args, "CHUNKS": chunks}, writes)

@@ -56,24 +56,25 @@ def dot_block(n: int) -> int:
 def prepare_warps(block_k: int) -> int:
     """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 128
     key columns, 8 past them. The program holds one 16-row block at a time, which at 4
-    warps takes under 256 registers, two programs an SM; at 8 warps the forward at
-    H = 64 took 1.7× as long (``benchmarks/ab.py --forward``). Past 128 columns a block's
+    warps takes under 256 registers, two programs an SM (the forward's one-block chunks
+    about half that, four); at 8 warps the 64-token forward at H = 64 took 1.7× as long
+    and the 16-token one 1.6× (``benchmarks/ab.py --forward``). Past 128 columns a block's
     tiles need the 8 warps' registers."""
     return 4 if block_k <= 128 else 8
 
 
 def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
-                store_output: bool) -> int:  # fmt: skip
-    """Bytes of shared memory a head-parallel scan's loop takes at ``stages`` stages, an
-    upper bound (:func:`scan_stages`)."""
+                store_output: bool, rows: int = 64) -> int:  # fmt: skip
+    """Bytes of shared memory a head-parallel scan's loop takes at ``stages`` stages of
+    ``rows`` token rows, an upper bound (:func:`scan_stages`)."""
     tiles = itemsize * (2 * block_k + block_v)
     if store_output:
-        tiles += itemsize * block_k + aqk_itemsize * 64
-    return stages * (64 * tiles + 4 * block_k) + itemsize * block_k * block_v
+        tiles += itemsize * block_k + aqk_itemsize * rows
+    return stages * (rows * tiles + 4 * block_k) + itemsize * block_k * block_v
 
 
 def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
-                store_output: bool, shared_memory: int) -> int:  # fmt: skip
+                store_output: bool, shared_memory: int, rows: int = 64) -> int:  # fmt: skip
     """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
     ``chunk_recurrence_kernel``, the backward's dS scan): 3 at up to 64 value columns
     where their buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles
@@ -85,19 +86,29 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     3 stages fit Hopper's shared memory up to 64 value columns, not at 128. The segmented
     path's maps pass (no outputs) would fit 3 stages at 128 columns too, but runs slower
     with them than with 2, while at 64 columns the third stage pays there as well
-    (``benchmarks/cp.py``); hence the 64-column limit for every scan.
+    (``benchmarks/cp.py``); hence the 64-column limit for every scan. A step of ``rows``
+    < 64 token rows (the forward's 16-token recurrence) has a quarter of the buffers; 2
+    stages there took 1.7× as long as 3 at 64 columns (H = 64, T = 8192 on the H200).
 
     Up to 128 key columns 2 stages are taken unchecked: they fit every launch there, fp32
     inputs included, whose tiles take less than the bound. Past 128 a stage of the
     recurrence's tiles is about half of shared memory: 2 stages where they fit (narrow
     value blocks), else 1, whose loads wait at the start of each step.
     ``tests/kda_ops/kernels/test_sm90_compile.py`` checks the launches against the limit."""
-    tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output)
+    tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output, rows)
     if block_v <= 64 and scan_shared(3, *tiles) <= shared_memory:
         return 3
     if block_k <= 128 or scan_shared(2, *tiles) <= shared_memory:
         return 2
     return 1
+
+
+def scan_residency(shared: int, warps: int, shared_memory: int) -> int:
+    """Programs of a head-parallel scan one SM holds at once: as many as its ``shared``
+    bytes fit ``shared_memory``, at most as many as Hopper's 64K registers hold at 255 a
+    thread (2 at 4 warps). One for the 64-row steps, two for the 16-row steps at up to 64
+    value columns, which the wave split of the launches counts (:func:`scan_launches`)."""
+    return max(1, min(shared_memory // shared, 65536 // (255 * 32 * warps)))
 
 
 def scan_widest(block_k: int, itemsize: int) -> int:
@@ -144,14 +155,14 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
 
 def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
                 itemsize: int, aqk_itemsize: int, store_output: bool, shared_memory: int,
-                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+                pipelined: bool = True, rows: int = 64) -> tuple[int, int]:  # fmt: skip
     """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
     :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
     there), or 1 stage where the launcher does not pipeline the loop."""
     widest = scan_widest(block_k, itemsize)
     if not pipelined:
         return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
-    tiles = (itemsize, aqk_itemsize, store_output, shared_memory)
+    tiles = (itemsize, aqk_itemsize, store_output, shared_memory, rows)
     three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
     columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest)
     return columns, scan_stages(block_k, columns, *tiles)
@@ -159,25 +170,26 @@ def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optio
 
 def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
                 itemsize: int, aqk_itemsize: int, store_output: bool,
-                pipelined: bool = True) -> tuple[int, int]:  # fmt: skip
+                pipelined: bool = True, rows: int = 64) -> tuple[int, int]:  # fmt: skip
     """:func:`scan_config` on ``device``."""
     sm_count = processors(device) if device.type == "cuda" else None
     return scan_config(block_k, block_v, sequence_heads, sm_count, itemsize, aqk_itemsize,
-                       store_output, shared_memory(device), pipelined)  # fmt: skip
+                       store_output, shared_memory(device), pipelined, rows)  # fmt: skip
 
 
 def scan_launches(block_v: int, sequence_heads: int, columns: int,
-                  sm_count: int) -> list[tuple[int, int, int]]:  # fmt: skip
+                  slots: int) -> list[tuple[int, int, int]]:  # fmt: skip
     """(first sequence-head, sequence-heads, value columns) of each launch of a scan that
-    takes ``columns`` (``scan_value_columns``) on ``sm_count`` SMs: one launch, unless its
-    programs need more than one wave and the heads past the first wave fit one wave at
-    half the columns; then those run in a second launch at half the columns, shorter
-    steps in place of a second wave of full ones: the remaining heads' programs at half
-    the columns finish sooner than a second wave at full width would."""
+    takes ``columns`` (``scan_value_columns``) where ``slots`` programs run at once (SMs
+    × :func:`scan_residency`): one launch, unless its programs need more than one wave
+    and the heads past the first wave fit one wave at half the columns; then those run in
+    a second launch at half the columns, shorter steps in place of a second wave of full
+    ones: the remaining heads' programs at half the columns finish sooner than a second
+    wave at full width would."""
     per_head = cdiv(block_v, columns)
-    first_wave = sm_count // per_head
+    first_wave = slots // per_head
     rest = sequence_heads - first_wave
     half = columns // 2
-    if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= sm_count:
+    if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= slots:
         return [(0, first_wave, columns), (first_wave, rest, half)]
     return [(0, sequence_heads, columns)]

@@ -2,10 +2,12 @@
 value heads), and the program body it shares with the backward's prepare kernel
 (``prepare_chunks``).
 
-Per chunk of C = 64 tokens, in four row blocks of 16 taken one after another: gate
+Per chunk of C = 16 ``BLOCKS`` tokens, in row blocks of 16 taken one after another: gate
 activation and in-chunk cumulative log-decay G, l2norm of q and k, beta sigmoid, and the
 UT/WY solve by block forward substitution, each block reading the solved blocks before it
-back from the outputs it stored them to (``_prepare_chunk``). It stores what the recurrence
+back from the outputs it stored them to (``_prepare_chunk``). The forward's chunks are one
+block (``FORWARD_CHUNK`` = 16 tokens: no coupling, a program of half the registers), the
+backward's four (64 tokens, the chunks of its kernels). It stores what the recurrence
 (``recurrence.py``) needs: ``w = T β (K ⊙ Γ)``, ``u = T β V``, ``qg = scale Q ⊙ Γ``,
 ``kd = K ⊙ Γ_C / Γ``, ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and the chunk's total log-decay
 G_C (fp32), where Γ = exp(G) and ``T = (I + tril(β (K ⊙ Γ)(K / Γ)ᵀ, -1))⁻¹``.
@@ -141,7 +143,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
                 SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                 USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
                 USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):  # fmt: skip
+                DOT_PRECISION: tl.constexpr, C: tl.constexpr):  # fmt: skip
     """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
     cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
     diagonal Aqk tile (for the backward, given ``cum_g``, also its cumulative log-decay rows
@@ -178,7 +180,7 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
     qk, kk = diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
                             DOT_PRECISION, False)  # fmt: skip
     qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
-    tl.store(aqk_rows + i_b * BLOCK * (64 + 1), qk.to(aqk_rows.dtype.element_ty))
+    tl.store(aqk_rows + i_b * BLOCK * (C + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
 
     if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block, whose exponentials these are
@@ -250,13 +252,13 @@ def chunk_prepare_kernel(
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
                    None, None, None, None, None, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
                    USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS)  # fmt: skip
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, BLOCKS)  # fmt: skip
 
 
 @triton.jit
@@ -269,17 +271,18 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
                    SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
                    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr):  # fmt: skip
-    """The body of a prepare program (chunk, value head), for ``chunk_prepare_kernel`` and,
-    with the backward's extra outputs (``cum_g`` ... ``pair_limits``, or all ``None``;
-    ``cum_g`` alone may be ``None``, when the backward rebuilds G), for the backward's
-    prepare kernel: which chunks a launch prepares is ``CHUNKS`` (module
-    docstring), ``unbounded`` holding the flags between a "bounded" and an "unbounded"
-    launch."""
+                   DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
+                   BLOCKS: tl.constexpr):  # fmt: skip
+    """The body of a prepare program (a chunk of ``BLOCKS`` row blocks, a value head), for
+    ``chunk_prepare_kernel`` and, with the backward's extra outputs (``cum_g`` ...
+    ``pair_limits``, or all ``None``; ``cum_g`` alone may be ``None``, when the backward
+    rebuilds G), for the backward's prepare kernel: which chunks a launch prepares is
+    ``CHUNKS`` (module docstring), ``unbounded`` holding the flags between a "bounded"
+    and an "unbounded" launch."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                                     BN, IS_VARLEN)  # fmt: skip
+                                     BN, IS_VARLEN, BLOCKS * BLOCK)  # fmt: skip
     if remaining > 0:
         # fmt: off
         if CHUNKS == "unbounded":
@@ -288,13 +291,13 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                                remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g,
                                solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK, BV,
                                SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
-                               USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+                               USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, BLOCKS)
         else:
             fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
                                   remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
                                   cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
                                   BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
-                                  USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+                                  USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, BLOCKS)
             if not SAFE_GATE:
                 if CHUNKS == "bounded":
                     tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
@@ -304,7 +307,8 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                                    remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
                                    cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
                                    BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
-                                   False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+                                   False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION,
+                                   BLOCKS)
 
 
 @triton.jit
@@ -361,7 +365,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
                    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
                    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):  # fmt: skip
+                   DOT_PRECISION: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """The prepare kernel's work on one chunk and value head (see the module docstring);
     ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot. Given ``solve``
     (the backward), also T = (I + A)⁻¹ (fp32 ``[C, C]`` tiles on and below the diagonal at
@@ -381,17 +385,18 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
     sub = tl.arange(0, BLOCK)
-    # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * 64 + j) * BLOCK; T's likewise.
-    square = ((i_c * HV + i_hv).to(tl.int64) * 64 + sub)[:, None] * 64 + sub[None, :]
+    C: tl.constexpr = BLOCKS * BLOCK
+    # Aqk tile (i, j) of this chunk starts at aqk_rows + (i * C + j) * BLOCK; T's likewise.
+    square = ((i_c * HV + i_hv).to(tl.int64) * C + sub)[:, None] * C + sub[None, :]
     aqk_rows = aqk + square
-    tile = BLOCK * 64  # one row block down
-    blocks = tl.arange(0, 4)
-    block_ends = tl.zeros([4, BK], dtype=tl.float32)  # cumulative log-decay at block ends
+    tile = BLOCK * C  # one row block down
+    blocks = tl.arange(0, BLOCKS)
+    block_ends = tl.zeros([BLOCKS, BK], dtype=tl.float32)  # cumulative log-decay at block ends
     least = tl.zeros([BK], dtype=tl.float32)  # the least block decay, per channel
     decay_before = tl.zeros([BK], dtype=tl.float32)
     # Not pipelined: Triton does not pipeline a loop that holds another loop, and loading
     # the next block ahead by hand takes every register and spills.
-    for i_b in tl.range(0, 4, num_stages=1):
+    for i_b in tl.range(0, BLOCKS, num_stages=1):
         # fmt: off
         raw_g, r_q, r_k, r_v, r_beta = _load_block(q, k, v, g, beta, start, remaining, i_b,
                                                    i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
@@ -402,7 +407,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
             remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
             k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
-            USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION)
+            USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, C)
         inverse = inverse_unit_lower(a_kk, DOT_PRECISION)
         key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
         tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
@@ -430,7 +435,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     # kd: k decayed to the chunk's end, known only now.
     tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay_before,
              mask=mask_k)  # fmt: skip
-    for j_b in tl.range(0, 3):  # the last block ends at the chunk's end: already kd
+    for j_b in tl.range(0, BLOCKS - 1):  # the last block ends at the chunk's end: already kd
         key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
         to_chunk_end = fast_exp(decay_before - tile_row(block_ends, j_b))[None, :]
         b_kd = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32) * to_chunk_end

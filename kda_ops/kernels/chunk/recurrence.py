@@ -1,41 +1,57 @@
 """The forward's head-parallel recurrence kernel, ``chunk_recurrence_kernel`` (grid: value
 blocks × sequences × heads), and its launch over a set of sequences.
 
-Over the prepare kernel's outputs (``prepare.py``) it walks a sequence's chunks with the
-fp32 state S in registers: ``v_new = u - w S``, ``o = qg S + Aqk v_new``,
-``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are written to memory only when asked
-(``STORE_CHUNK_STATES``: the state at each chunk start, what a prefix cache stores and
-what the backward reads, ``[n_chunks, HV, K, V]`` at the chunk's global number). Extra
-state columns past V (``WIDTH``) carry the transition map that ``segments.py`` composes."""
+Over the prepare kernel's outputs (``prepare.py``) it walks a sequence's chunks, a step
+of ``STEP`` tokens each (the prepare's chunk: 16 in the forward, 64 for the training
+forward's chunk states), with the fp32 state S in registers: ``v_new = u - w S``,
+``o = qg S + Aqk v_new``, ``S = diag(Γ_C) S + kdᵀ v_new``. Chunk states are written to
+memory only when asked (``STORE_CHUNK_STATES``: the state at each 64-token chunk start,
+what a prefix cache stores and what the backward reads, ``[n_chunks, HV, K, V]`` at the
+chunk's global number, every ``64 // STEP``-th step). Extra state columns past V
+(``WIDTH``) carry the transition map that ``segments.py`` composes.
+
+At 16-token steps a program takes under 256 registers at 4 warps and a quarter of the
+64-token step's shared memory, so two share an SM (``scan_residency``): at H = 96 all 192
+programs of 64 value columns run in one wave."""
 
 import triton
 import triton.language as tl
 
-from kda_ops.kernels.chunk.device import sequence_span
+from kda_ops.kernels.chunk.device import CHUNK, sequence_span
 from kda_ops.kernels.chunk.planning import (
     dot_block,
     scan_launch,
     scan_launches,
+    scan_residency,
+    scan_shared,
     scan_stages,
     scan_warps,
 )
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, processors, shared_memory
+from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 
 
 @triton.jit
 def chunk_recurrence_kernel(
-    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, length,
-    first_head, o, final_state, chunk_states,
+    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_offsets,
+    length, first_head, o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, STEP: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), first_head + tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
+    bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
+                                             STEP)  # fmt: skip
+    # Chunk states are the states at 64-token chunk starts, every STEPS_A_CHUNK-th step.
+    STEPS_A_CHUNK: tl.constexpr = 64 // STEP
+    if STEPS_A_CHUNK == 1:
+        first_chunk = first_step
+    else:
+        _, _, first_chunk = sequence_span(i_n, cu_seqlens, state_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -52,10 +68,10 @@ def chunk_recurrence_kernel(
     if WIDTH > V:  # transition columns: u = 0 and the identity as the state coming in
         state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
-    rows = tl.arange(0, 64)
-    for c in tl.range(0, tl.cdiv(seq_len, 64), num_stages=STAGES):
-        tokens = bos + c * 64 + rows
-        in_seq = c * 64 + rows < seq_len
+    rows = tl.arange(0, STEP)
+    for c in tl.range(0, tl.cdiv(seq_len, STEP), num_stages=STAGES):
+        tokens = bos + c * STEP + rows
+        in_seq = c * STEP + rows < seq_len
         token_offsets = (tokens * HV + i_hv)[:, None]
         mask_rows_k = in_seq[:, None] & mask_k[None, :]
         mask_rows_v = in_seq[:, None] & mask_v[None, :]
@@ -64,11 +80,13 @@ def chunk_recurrence_kernel(
         b_qg = tl.load(qg + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_kd = tl.load(kd + token_offsets * K + offs_k[None, :], mask=mask_rows_k, other=0.0)
         b_u = tl.load(u + token_offsets * V + offs_v[None, :], mask=mask_rows_v, other=0.0)
-        chunk_id = (first_chunk + c).to(tl.int64) * HV + i_hv
-        if STORE_CHUNK_STATES:  # the state entering this chunk
-            tl.store(chunk_states + chunk_id * K * WIDTH + tile_offsets,
-                     state.to(chunk_states.dtype.element_ty), mask=state_mask)  # fmt: skip
-        b_aqk = tl.load(aqk + (chunk_id * 64 + rows)[:, None] * 64 + rows[None, :])
+        chunk_id = (first_step + c).to(tl.int64) * HV + i_hv
+        if STORE_CHUNK_STATES:  # noqa: SIM102 (a constexpr, then a tensor condition)
+            if c % STEPS_A_CHUNK == 0:  # the state entering a chunk
+                state_id = (first_chunk + c // STEPS_A_CHUNK).to(tl.int64) * HV + i_hv
+                tl.store(chunk_states + state_id * K * WIDTH + tile_offsets,
+                         state.to(chunk_states.dtype.element_ty), mask=state_mask)  # fmt: skip
+        b_aqk = tl.load(aqk + (chunk_id * STEP + rows)[:, None] * STEP + rows[None, :])
         # Blocks above the diagonal are never written (no zero-filled buffer needed).
         b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
         decay_last = fast_exp(tl.load(chunk_decay + chunk_id * K + offs_k, mask=mask_k, other=0.0))
@@ -96,17 +114,28 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     of a batch that fills the SMs: the split of value columns and of waves
     (``scan_launch``, ``scan_launches``) compares the count with the SM count."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
+    step = aqk.shape[-1]  # tokens a step: the prepare's chunk
+    state_offsets = chunk_offsets
+    if step != CHUNK and chunk_states is not None and cu_seqlens is not None:
+        state_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
     block_k, block_v = dot_block(head_k), dot_block(state_width)
     sequence_heads = n_seqs * value_heads
     tiles = (w.element_size(), aqk.element_size(), o is not None)
-    sms = processors(u.device)
+    sms, shared = processors(u.device), shared_memory(u.device)
+    warps = scan_warps(block_k)
+
+    def stages(columns):
+        return scan_stages(block_k, columns, *tiles, shared, step)
+
     if isinstance(sequence_heads, int):
-        columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles)
-        launches = scan_launches(block_v, sequence_heads, columns, sms)
+        columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles, rows=step)
+        buffers = scan_shared(stages(columns), block_k, columns, *tiles, step)
+        slots = sms * scan_residency(buffers, warps, shared)
+        launches = scan_launches(block_v, sequence_heads, columns, slots)
     else:
-        columns, _ = scan_launch(block_k, block_v, sms, u.device, *tiles)
+        columns, _ = scan_launch(block_k, block_v, sms, u.device, *tiles, rows=step)
         launches = [(0, sequence_heads, columns)]
     written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
     writes = tuple(name for name, tensor in written.items() if tensor is not None)
@@ -114,14 +143,14 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
         KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v), heads), dict(
             w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
-            length=length, first_head=first_head, o=o, final_state=final_state,
-            chunk_states=chunk_states,
+            state_offsets=state_offsets, length=length, first_head=first_head, o=o,
+            final_state=final_state, chunk_states=chunk_states,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
+            STEP=step,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
-            STAGES=scan_stages(block_k, split_v, *tiles, shared_memory(u.device)),
-            num_warps=scan_warps(block_k),
+            STAGES=stages(split_v), num_warps=warps,
         ), writes)
         for first_head, heads, split_v in launches
     ]  # fmt: skip

@@ -72,7 +72,7 @@ def segmented_recurrence(intermediates, initial_state, batch, length, segments, 
     device = u.device
     segment_length = length // segments
     cuts = torch.arange(0, batch * length + 1, segment_length, device=device, dtype=torch.int32)
-    chunk_offsets = sequence_chunk_offsets(cuts, CHUNK)
+    chunk_offsets = sequence_chunk_offsets(cuts, intermediates[4].shape[-1])  # aqk's chunk
     maps = torch.empty(batch * segments, value_heads, head_k, head_v + head_k, device=device,
                        dtype=torch.float32)  # fmt: skip
     launch_recurrence(intermediates, None, cuts, chunk_offsets, segment_length, None, maps, None,

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.backward.gate import GATE_COLUMNS, GATE_WARPS
 from kda_ops.kernels.chunk.backward.layout import key_columns
 from kda_ops.kernels.chunk.backward.pairs import PAIRS_COLUMNS, PAIRS_STAGES
@@ -45,13 +46,15 @@ PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=Fals
 
 
 def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width: int = 128,
-               store_output: bool = True, store_states: bool = False) -> tuple:  # fmt: skip
-    """``chunk_recurrence_kernel`` as ``_recurrence`` launches it (K = V = 128) with inputs
-    of ``dtype`` and Aqk of ``aqk``; ``width`` 256 is the segmented path's maps pass."""
+               store_output: bool = True, store_states: bool = False,
+               step: int = FORWARD_CHUNK) -> tuple:  # fmt: skip
+    """``chunk_recurrence_kernel`` as ``recurrence_launches`` launches it (K = V = 128) with
+    inputs of ``dtype`` and Aqk of ``aqk`` in steps of ``step`` tokens (the forward's; 64
+    for the training forward's); ``width`` 256 is the segmented path's maps pass."""
     size = {"bf16": 2, "fp32": 4}
     stages = scan_stages(128, value_columns, size[dtype], size[aqk], store_output,
-                         SM90_SHARED_MEMORY)  # fmt: skip
-    constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns,
+                         SM90_SHARED_MEMORY, step)  # fmt: skip
+    constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns, STEP=step,
                       HAS_INITIAL_STATE=False, IS_VARLEN=False,
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
@@ -83,8 +86,10 @@ def ds_scan(value_columns: int) -> tuple:
 
 SCANS = {
     **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
-    # the training forward: chunk states written
-    "chunk_recurrence_kernel/training": recurrence(64, store_states=True),
+    # the training forward: 64-token steps, chunk states written
+    "chunk_recurrence_kernel/training": recurrence(64, store_states=True, step=64),
+    # the inference forward's chunk states (a prefix cache's), every fourth step
+    "chunk_recurrence_kernel/chunk_states": recurrence(64, store_states=True),
     "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
     "chunk_recurrence_kernel/maps": recurrence(64, width=256, store_output=False),
     **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (64, 128)},
@@ -119,6 +124,12 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
         f"kda_gate_kernel/lower_bound={b}": ("gate", "kda_gate_kernel",
                                              dict(GATE, USE_LOWER_BOUND=b))
         for b in (False, True)
+    },
+    **{  # the forward's prepare, 16-token chunks
+        f"chunk_prepare_kernel/{chunks}": ("chunk.prepare", "chunk_prepare_kernel",
+                                           dict(PREPARE, SAFE_GATE=safe, USE_LOWER_BOUND=safe,
+                                                CHUNKS=chunks, BLOCKS=FORWARD_CHUNK // 16))
+        for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
     **{  # the backward's prepare: the forward's program with its extra outputs
         f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
@@ -197,14 +208,16 @@ def _dot_precision(dtype: str) -> str:
 
 
 def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
-                 maps: bool = False, store_states: bool = False) -> tuple:  # fmt: skip
-    """``chunk_recurrence_kernel`` as ``_recurrence`` launches it; ``maps``: the segmented
-    path's first pass (K transition columns, no outputs)."""
+                 maps: bool = False, store_states: bool = False,
+                 step: int = FORWARD_CHUNK) -> tuple:  # fmt: skip
+    """``chunk_recurrence_kernel`` as ``recurrence_launches`` launches it; ``maps``: the
+    segmented path's first pass (K transition columns, no outputs); ``step`` 64: the
+    training forward's."""
     width = head_v + head_k if maps else head_v
     block_k, size = dot_block(head_k), ITEMSIZE[dtype]
     columns, stages = scan_config(block_k, dot_block(width), sequence_heads, SMS, size, size,
-                                  not maps, SM90_SHARED_MEMORY)  # fmt: skip
-    constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns,
+                                  not maps, SM90_SHARED_MEMORY, rows=step)  # fmt: skip
+    constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns, STEP=step,
                       HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
                       DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
                       STORE_OUTPUT=not maps, STAGES=stages)  # fmt: skip
@@ -253,6 +266,8 @@ def prepare(head_k: int, head_v: int, backward: bool, safe: bool) -> tuple:
                       CHUNKS="all" if safe else "bounded")  # fmt: skip
     module, kernel = (("chunk.backward.prepare", "chunk_bwd_prepare_kernel") if backward
                       else ("chunk.prepare", "chunk_prepare_kernel"))  # fmt: skip
+    if not backward:  # the forward's 16-token chunks (the backward's program takes 64)
+        constexprs["BLOCKS"] = FORWARD_CHUNK // 16
     return module, kernel, constexprs, {}, {"num_warps": prepare_warps(block_k)}
 
 
@@ -318,7 +333,7 @@ def wide_variants() -> dict[str, tuple]:
     for regime, heads in (("many", MANY_HEADS), ("few", FEW_HEADS)):
         maps = forward_scan(256, 256, "bf16", heads, maps=True)
         variants[f"K=256/V=256/forward_maps/bf16/{regime}"] = maps
-    training = forward_scan(256, 256, "bf16", MANY_HEADS, store_states=True)
+    training = forward_scan(256, 256, "bf16", MANY_HEADS, store_states=True, step=64)
     variants["K=256/V=256/forward_scan/bf16/training"] = training
     # fp32 past 128 key columns (at up to 128 the scans launch as at K = V = 128).
     variants["K=256/V=256/forward_scan/fp32"] = forward_scan(256, 256, "fp32", MANY_HEADS)
@@ -417,15 +432,16 @@ def test_wide_head_dims_fit_shared_memory(compiled, variant):
 
 
 def test_scans_run_ahead_where_they_fit():
-    """bf16 launches up to 64 value columns (the training forward's and the maps pass's
-    too) get 3 stages; 128 value columns and fp32 inputs 2."""
+    """Launches up to 64 value columns get 3 stages (the training forward's, the maps
+    pass's and the 16-token steps of fp32 inputs too); 128 value columns 2."""
     stages = {name: spec[4]["num_stages"] if len(spec) > 4 else spec[2]["STAGES"]
               for name, spec in SCANS.items()}  # fmt: skip
     assert stages == {"chunk_recurrence_kernel/bf16/columns=32": 3,
                       "chunk_recurrence_kernel/bf16/columns=64": 3,
                       "chunk_recurrence_kernel/bf16/columns=128": 2,
                       "chunk_recurrence_kernel/training": 3,
-                      "chunk_recurrence_kernel/fp32": 2,
+                      "chunk_recurrence_kernel/chunk_states": 3,
+                      "chunk_recurrence_kernel/fp32": 3,
                       "chunk_recurrence_kernel/maps": 3,
                       "chunk_bwd_state_kernel/columns=64": 3,
                       "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip

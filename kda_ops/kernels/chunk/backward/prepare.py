@@ -50,7 +50,7 @@ def chunk_bwd_prepare_kernel(
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
                    USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS)  # fmt: skip
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, 4)  # fmt: skip
 
 
 def prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
