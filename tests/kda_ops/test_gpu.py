@@ -347,7 +347,10 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
     whose backward runs that kernel itself: the same kernels, so the same bits; its graph
     backpropagates once. chunk_kda's default keeps Aqk and T only (checked against
     float64 in test_chunk_backward_against_float64_reference) and only reads them: its
-    graph backpropagates again (``retain_graph``) to the same gradients."""
+    graph backpropagates again (``retain_graph``) to the same gradients. The training
+    forward's outputs are those of the inference forward, which takes 16-token chunks
+    where the training forward takes 64, up to their rounding (bf16: 9e-4 relative at
+    T = 8192 on the H200)."""
     x, kwargs = chunk_inputs(1000, 4, lower_bound)
     x = {name: t.to(dtype) if t.dtype == torch.bfloat16 else t for name, t in x.items()}
     if varlen:
@@ -363,8 +366,10 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
         leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
         o, final = kda_ops.chunk_kda(**leaves, initial_state=state,
                                      disable_recompute=disable_recompute, **kwargs)  # fmt: skip
-        inferred, _ = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
-        assert torch.equal(o, inferred)
+        inferred, inferred_final = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
+        rounding = 2e-3 if dtype == torch.bfloat16 else 1e-5
+        assert relative_error(o.detach(), inferred) < rounding
+        assert relative_error(final.detach(), inferred_final) < rounding
         loss = o.float().square().sum() + final.square().sum()
         first = torch.autograd.grad(loss, list(leaves.values()), retain_graph=True)
         if disable_recompute:
