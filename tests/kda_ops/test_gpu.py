@@ -367,7 +367,7 @@ def test_disable_recompute_gives_the_same_gradients(dtype, varlen, lower_bound):
         o, final = kda_ops.chunk_kda(**leaves, initial_state=state,
                                      disable_recompute=disable_recompute, **kwargs)  # fmt: skip
         inferred, inferred_final = kda_ops.chunk_kda(**x, initial_state=state, **kwargs)
-        rounding = 2e-3 if dtype == torch.bfloat16 else 1e-5
+        rounding = 5e-3 if dtype == torch.bfloat16 else 1e-5  # FLA's bf16 tolerance
         assert relative_error(o.detach(), inferred) < rounding
         assert relative_error(final.detach(), inferred_final) < rounding
         loss = o.float().square().sum() + final.square().sum()

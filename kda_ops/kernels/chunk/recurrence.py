@@ -35,7 +35,7 @@ from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 
 @triton.jit
 def chunk_recurrence_kernel(
-    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_offsets,
+    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_chunks,
     length, first_head, o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, STEP: tl.constexpr,
@@ -51,7 +51,7 @@ def chunk_recurrence_kernel(
     if STEPS_A_CHUNK == 1:
         first_chunk = first_step
     else:
-        _, _, first_chunk = sequence_span(i_n, cu_seqlens, state_offsets, length, IS_VARLEN)
+        _, _, first_chunk = sequence_span(i_n, cu_seqlens, state_chunks, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -115,9 +115,9 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     (``scan_launch``, ``scan_launches``) compares the count with the SM count."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     step = aqk.shape[-1]  # tokens a step: the prepare's chunk
-    state_offsets = chunk_offsets
+    state_chunks = chunk_offsets  # chunk_offsets of the 64-token chunks of the states
     if step != CHUNK and chunk_states is not None and cu_seqlens is not None:
-        state_offsets = sequence_chunk_offsets(cu_seqlens, CHUNK)
+        state_chunks = sequence_chunk_offsets(cu_seqlens, CHUNK)
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
     block_k, block_v = dot_block(head_k), dot_block(state_width)
@@ -143,7 +143,7 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
         KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v), heads), dict(
             w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
-            state_offsets=state_offsets, length=length, first_head=first_head, o=o,
+            state_chunks=state_chunks, length=length, first_head=first_head, o=o,
             final_state=final_state, chunk_states=chunk_states,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
             STEP=step,
