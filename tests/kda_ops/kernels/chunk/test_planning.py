@@ -2,7 +2,14 @@
 
 import pytest
 
-from kda_ops.kernels.chunk.planning import scan_config, scan_launches
+from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.chunk.planning import (
+    scan_config,
+    scan_launches,
+    scan_residency,
+    scan_shared,
+    scan_stages,
+)
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
 
 SMS = 132  # an H200's
@@ -47,3 +54,36 @@ def test_scan_config(block_k, block_v, heads, itemsize, store_output, pipelined,
     got = scan_config(block_k, block_v, heads, SMS, itemsize, itemsize, store_output,
                       SM90_SHARED_MEMORY, pipelined)  # fmt: skip
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "block_k, block_v, heads, itemsize, expected",
+    [
+        (128, 128, 96, 2, (64, 3)),
+        (128, 128, 64, 2, (64, 3)),
+        (128, 128, 96, 4, (64, 3)),  # fp32: a 16-row stage fits three times at 64 columns
+        (256, 256, 96, 2, (64, 3)),
+    ],
+)
+def test_scan_config_of_the_forward_steps(block_k, block_v, heads, itemsize, expected):
+    """The forward's 16-token steps take a quarter of the 64-row stages' buffers."""
+    got = scan_config(block_k, block_v, heads, SMS, itemsize, itemsize, True,
+                      SM90_SHARED_MEMORY, rows=FORWARD_CHUNK)  # fmt: skip
+    assert got == expected
+
+
+def _slots(rows: int, columns: int = 64, warps: int = 4) -> int:
+    stages = scan_stages(128, columns, 2, 2, True, SM90_SHARED_MEMORY, rows)
+    shared = scan_shared(stages, 128, columns, 2, 2, True, rows)
+    return SMS * scan_residency(shared, warps, SM90_SHARED_MEMORY)
+
+
+def test_two_forward_steps_programs_share_an_sm():
+    """Two 16-token programs of 64 columns fit an SM (a quarter of the 64-row buffers, and
+    4 warps' registers), so H = 96's 192 programs run in one launch; the 64-token steps
+    hold an SM each and split the heads past the first wave."""
+    assert _slots(FORWARD_CHUNK) == 2 * SMS
+    assert _slots(64) == SMS
+    assert scan_launches(128, 96, 64, _slots(FORWARD_CHUNK)) == [(0, 96, 64)]
+    assert scan_launches(128, 96, 64, _slots(64)) == [(0, 66, 64), (66, 30, 32)]
+    assert _slots(FORWARD_CHUNK, warps=8) == SMS  # 8 warps' registers: one program
