@@ -2,7 +2,7 @@
 value heads), and the program body it shares with the backward's prepare kernel
 (``prepare_chunks``).
 
-Per chunk of C = 16 ``BLOCKS`` tokens, in row blocks of 16 taken one after another: gate
+Per chunk of C = 16 · ``BLOCKS`` tokens, in row blocks of 16 taken one after another: gate
 activation and in-chunk cumulative log-decay G, l2norm of q and k, beta sigmoid, and the
 UT/WY solve by block forward substitution, each block reading the solved blocks before it
 back from the outputs it stored them to (``_prepare_chunk``). The forward's chunks are one
