@@ -109,13 +109,13 @@ def launch_chunk_kda(
 
 
 def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                      use_qk_l2norm, use_beta_sigmoid, chunk=None):  # fmt: skip
+                      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
     """The prepare kernel's launches (once with the safe gate, else its bounded and
     unbounded ones), the intermediates they write ``(w, u, qg, kd, aqk, chunk_decay)``,
     the chunks' offsets of packed sequences (``None`` at fixed length) and the dot
     precision."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    chunk = FORWARD_CHUNK if chunk is None else chunk
+    chunk = FORWARD_CHUNK
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     if cu_seqlens is None:

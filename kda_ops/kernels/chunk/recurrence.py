@@ -130,8 +130,9 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
         return scan_stages(block_k, columns, *tiles, shared, step)
 
     if isinstance(sequence_heads, int):
-        columns, _ = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles, rows=step)
-        buffers = scan_shared(stages(columns), block_k, columns, *tiles, step)
+        columns, column_stages = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles,
+                                             rows=step)  # fmt: skip
+        buffers = scan_shared(column_stages, block_k, columns, *tiles, step)
         slots = sms * scan_residency(buffers, warps, shared)
         launches = scan_launches(block_v, sequence_heads, columns, slots)
     else:
