@@ -368,13 +368,17 @@ def bench_conv_prefill(s: Settings, length=8192, channels=32 * 128, width=4) -> 
 
 
 def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND,
-                         disable_recompute=False) -> None:  # fmt: skip
+                         disable_recompute=False, varlen=False) -> None:  # fmt: skip
     """Training step of one layer: forward + backward of every input (gate, beta and
     l2norm in the kernel), timed and with the peak memory each allocates;
     ``lower_bound=None`` is Kimi Linear's softplus gate; ``disable_recompute`` is passed
-    to both (each keeps its forward's intermediates for its backward)."""
+    to both (each keeps its forward's intermediates for its backward); ``varlen`` packs
+    the forward's varlen lengths (``VARLEN``) into the ``length`` tokens."""
     x = kda_inputs(1, length, heads, dim)
     options = dict(chunk_options(lower_bound), disable_recompute=disable_recompute)
+    if varlen:
+        bounds = [bound * length // VARLEN[-1] for bound in VARLEN]
+        options["cu_seqlens"] = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
 
@@ -397,7 +401,8 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
     steps = {"kda-ops": train_step(kda_ops.chunk_kda), "fla": train_step(s.fla_chunk_kda)}
     gate = ", softplus gate" if lower_bound is None else ""
     gate += ", disable_recompute" if disable_recompute else ""
-    case = f"chunk_kda fwd+bwd B=1 T={length} H={heads} D={dim} bf16{gate}"
+    packed = f" varlen {len(VARLEN) - 1} seqs" if varlen else ""
+    case = f"chunk_kda fwd+bwd{packed} B=1 T={length} H={heads} D={dim} bf16{gate}"
     measure(case, "eager", steps, s)  # also the warm-up (compile, autotune)
     peaks = {name: peak_gib(step) for name, step in steps.items()}
     if s.results is not None:
@@ -414,8 +419,11 @@ BENCHES = {
     "chunk32_softplus": lambda s: bench_chunk(s, 32, lower_bound=None),  # ... and its gate
     "chunk_varlen": bench_chunk_varlen,
     "chunk_backward": bench_chunk_backward,
+    "chunk_backward96": lambda s: bench_chunk_backward(s, heads=96),
+    "chunk_backward_varlen": lambda s: bench_chunk_backward(s, heads=96, varlen=True),
     "chunk_backward_softplus": lambda s: bench_chunk_backward(s, lower_bound=None),
     "chunk_backward_kept": lambda s: bench_chunk_backward(s, disable_recompute=True),
+    "chunk_backward_kept96": lambda s: bench_chunk_backward(s, heads=96, disable_recompute=True),
     "decode": bench_decode,
     "norm": bench_gated_norm,
     "conv": bench_conv_update,
