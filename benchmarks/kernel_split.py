@@ -5,7 +5,7 @@ in the same process: where the time of ``ops.py``'s rows goes, kernel by kernel
 steps).
 
 Usage (GPU): ``python benchmarks/kernel_split.py [--heads 64] [--length 8192] [--softplus]
-[--disable-recompute] [--forward] [--steps 5] [--shared-machine | --no-shared-machine]
+[--disable-recompute] [--varlen] [--forward] [--steps 5] [--shared-machine | --no-shared-machine]
 [--out benchmarks/results/kernel_split.json]``.
 """
 
@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from ops import LOWER_BOUND, chunk_options, kda_inputs
+from ops import LOWER_BOUND, VARLEN, chunk_options, kda_inputs, varlen_bounds
 from results import Results, add_arguments, row
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
     parser.add_argument("--disable-recompute", action="store_true")
+    parser.add_argument("--varlen", action="store_true",
+                        help="the forward's packed varlen lengths in --length tokens")  # fmt: skip
     parser.add_argument("--forward", action="store_true", help="the forward alone")
     parser.add_argument("--steps", type=int, default=5)
     add_arguments(parser, "kernel_split")
@@ -65,6 +67,10 @@ def main() -> None:
     options = dict(chunk_options(None if args.softplus else LOWER_BOUND),
                    disable_recompute=args.disable_recompute)  # fmt: skip
     step_name = "forward" if args.forward else "forward + backward"
+    if args.varlen:
+        options["cu_seqlens"] = torch.tensor(varlen_bounds(args.length), device="cuda",
+                                             dtype=torch.int32)  # fmt: skip
+        step_name += f" varlen {len(VARLEN) - 1} seqs"
     case = f"chunk_kda {step_name} B=1 T={args.length} H={args.heads} D=128 bf16" + (
         ", softplus gate" if args.softplus else "") + (
         ", disable_recompute" if args.disable_recompute else "")  # fmt: skip

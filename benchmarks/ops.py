@@ -38,6 +38,11 @@ REFERENCE_HEADS = 2  # the float64 reference runs on the first heads only
 NAMES = {"kda-ops": "kda-ops", "fla": "FLA", "flash_kda": "FlashKDA"}
 
 
+def varlen_bounds(length: int) -> list[int]:
+    """``cu_seqlens`` of the issue's varlen lengths (``VARLEN``) scaled to ``length`` tokens."""
+    return [bound * length // VARLEN[-1] for bound in VARLEN]
+
+
 def kda_inputs(batch, length, heads, dim=128, dtype=torch.bfloat16):
     def rand(*shape, dtype=dtype):
         return torch.randn(*shape, device=DEVICE, dtype=dtype)
@@ -262,7 +267,7 @@ def bench_chunk(s: Settings, heads: int, length: int = 8192, dim: int = 128,
 def bench_chunk_varlen(s: Settings, heads: int = 96, dim: int = 128) -> None:
     """Packed sequences of the issue's lengths, filled up to the same 8192 tokens."""
     length, heads, dim = tiny_shape(s, VARLEN[-1], heads, dim)
-    bounds = [bound * length // VARLEN[-1] for bound in VARLEN]
+    bounds = varlen_bounds(length)
     cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
     x = kda_inputs(1, length, heads, dim)
     case = f"chunk_kda fwd varlen {len(bounds) - 1} seqs, {length} tokens, H={heads} D={dim} bf16"
@@ -377,7 +382,7 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
     x = kda_inputs(1, length, heads, dim)
     options = dict(chunk_options(lower_bound), disable_recompute=disable_recompute)
     if varlen:
-        bounds = [bound * length // VARLEN[-1] for bound in VARLEN]
+        bounds = varlen_bounds(length)
         options["cu_seqlens"] = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
