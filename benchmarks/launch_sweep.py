@@ -108,15 +108,17 @@ def sweep_pairs(x: Inputs):
     d_aqk, d_a = x.tiles(), x.tiles()
     d_aqk_low, d_a_low = d_aqk.to(torch.bfloat16), d_a.to(torch.bfloat16)
     rows = [x.f32(1, x.length, x.heads, DIM) for _ in range(3)]
-    for columns, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+    sizes = itertools.product(("ieee", "tf32x3", "bf16x3"), (16, 32, 64), (1, 2, 4), (1, 2))
+    for diagonal, columns, warps, stages in sizes:
         dbeta_part = torch.empty(1, x.length, x.heads, DIM // columns, device="cuda")
         grid = (x.chunks * 4 * (DIM // columns), x.heads)
-        yield f"pairs, {columns} columns, {warps} warps, {stages} stages", partial(
+        case = f"pairs, {diagonal} diagonal, {columns} columns, {warps} warps, {stages} stages"
+        yield case, partial(
             chunk_bwd_pairs_kernel[grid],
             x.q, x.k, x.beta, None, None, cum_g, q_norm, k_norm, d_aqk, d_a, d_aqk_low,
             d_a_low, None, x.length, 1, *rows, dbeta_part, H=x.heads, HV=x.heads, K=DIM,
             BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **x.flags_of(PAIRS_FLAGS),
-            CHUNKS="all", num_warps=warps, num_stages=stages,
+            DIAGONAL_PRECISION=diagonal, CHUNKS="all", num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
 

@@ -22,7 +22,12 @@ import torch
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.backward.gate import GATE_COLUMNS, GATE_WARPS
 from kda_ops.kernels.chunk.backward.layout import key_columns
-from kda_ops.kernels.chunk.backward.pairs import PAIRS_COLUMNS, PAIRS_STAGES
+from kda_ops.kernels.chunk.backward.pairs import (
+    DIAGONAL_PRECISION,
+    PAIRS_COLUMNS,
+    PAIRS_STAGES,
+    PAIRS_WARPS,
+)
 from kda_ops.kernels.chunk.backward.recompute import REBUILD_WARPS, rebuild_blocks
 from kda_ops.kernels.chunk.backward.state import STATE_WARPS
 from kda_ops.kernels.chunk.backward.wy import wy_launch
@@ -147,9 +152,12 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     **{
         f"chunk_bwd_pairs_kernel/{chunks}": (
             "chunk.backward.pairs", "chunk_bwd_pairs_kernel",
-            dict(H=32, HV=32, K=128, BK=64, BN=1, CHUNK=64, BLOCK=16, SAFE_GATE=chunks == "all",
-                 USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                 DOT_PRECISION="tf32", CHUNKS=chunks),
+            dict(H=32, HV=32, K=128, BK=PAIRS_COLUMNS, BN=1, CHUNK=64, BLOCK=16,
+                 SAFE_GATE=chunks == "all", USE_L2NORM=True, USE_BETA_SIGMOID=True,
+                 IS_VARLEN=False, DOT_PRECISION="tf32", DIAGONAL_PRECISION=DIAGONAL_PRECISION,
+                 CHUNKS=chunks),
+            {}, {"num_warps": PAIRS_WARPS["dyadic" if chunks == "unbounded" else "dense"],
+                 "num_stages": PAIRS_STAGES},
         )
         for chunks in ("all", "bounded", "unbounded")
     },
@@ -285,8 +293,10 @@ def key_split_kernels(head_k: int) -> dict[str, tuple]:
                                    dict(H=32, HV=32, K=head_k, BK=pair_k, BN=1, CHUNK=64,
                                         BLOCK=16, SAFE_GATE=True, USE_L2NORM=True,
                                         USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                                        DOT_PRECISION="tf32", CHUNKS="all"),
-                                   {}, {"num_warps": 4, "num_stages": PAIRS_STAGES}),
+                                        DOT_PRECISION="tf32",
+                                        DIAGONAL_PRECISION=DIAGONAL_PRECISION, CHUNKS="all"),
+                                   {}, {"num_warps": PAIRS_WARPS["dense"],
+                                    "num_stages": PAIRS_STAGES}),
         "chunk_bwd_gate_kernel": ("chunk.backward.gate", "chunk_bwd_gate_kernel",
                                   dict(gate, HV=32, K=head_k, BK=gate_k, BN=1, CHUNK=64,
                                        N_SHARES=cdiv(head_k, pair_k)),

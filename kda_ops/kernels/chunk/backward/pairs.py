@@ -1,11 +1,11 @@
 """Kernel 4 of the backward, ``chunk_bwd_pairs_kernel`` (token-parallel, one program a
-16-row block and split over the key columns; grid: chunks × column blocks of 64 × 4 row
-blocks, value heads), and its launches: every pair term is a per-column product. A
-program takes its block's pair terms of A and Aqk (q̂ / k̂ / G / β gradients): its rows
-against the earlier blocks' columns, its columns against the later blocks' rows (one
-other block at a time, in a loop), and its diagonal block, and adds them to the WY
-kernel's row gradients (``wy.py``). What sums over the columns comes back as one share
-per column block (dβ), which the gate kernel (``gate.py``) adds.
+16-row block and split over the key columns; grid: chunks × column blocks of
+``PAIRS_COLUMNS`` × 4 row blocks, value heads), and its launches: every pair term is a
+per-column product. A program takes its block's pair terms of A and Aqk (q̂ / k̂ / G / β
+gradients): its rows against the earlier blocks' columns, its columns against the later
+blocks' rows (one other block at a time, in a loop), and its diagonal block, and adds them
+to the WY kernel's row gradients (``wy.py``). What sums over the columns comes back as one
+share per column block (dβ), which the gate kernel (``gate.py``) adds.
 
 The WY kernel builds on 64 rows what this one reads by row blocks: dA goes over T's
 buffer and scale·dAqk over Aqk's (neither is needed any more) unless they were kept by
@@ -15,8 +15,8 @@ buffers that this kernel reads back and completes. The two kernels are separate 
 they only communicate through memory anyway, and apart each needs fewer registers. A
 program over a whole chunk either re-loads (and re-normalises) every other row block for
 each of its blocks or, its four row blocks unrolled, holds them all and spills; a program
-of one row block holds one other block at a time and fits its registers, two programs an
-SM (the dense launch without spills).
+of one row block holds one other block at a time: at 32 columns one warp holds it, eight
+programs an SM.
 
 Numerics: every pair factor exp(G_i - G_j) (i >= j) is split at a reference row p with
 j <= p <= i so both halves are at most 1; p is the first row of the 16-row block of i.
@@ -24,10 +24,10 @@ Inside a diagonal block, the safe gate (``-5 <= lower_bound < 0``, not fp16) bou
 growing half by e^75 and the block is a dense dot; every other gate splits the block's
 pairs dyadically there, as the forward does (every factor at most 1; ``dyadic_level``).
 The gate gradient is a difference: every pair term enters dG at its row and, negated, at
-its column, so the diagonal blocks take exact fp32 products (see
-``_dense_diagonal_grads``). dβ_i = Σ_j dA_ij (k̂_i · k̂_j e^{..}) is taken as
-k̂_i e^{G_i - ref} · (Σ_j dA_ij k̂_j e^{ref - G_j}), the sum A's row term already forms,
-rather than by a K Kᵀ dot.
+its column, so the diagonal blocks take fp32 products, split-bf16 on the tensor cores
+(``DIAGONAL_PRECISION``; see ``_dense_diagonal_grads``). dβ_i = Σ_j dA_ij (k̂_i · k̂_j
+e^{..}) is taken as k̂_i e^{G_i - ref} · (Σ_j dA_ij k̂_j e^{ref - G_j}), the sum A's row
+term already forms, rather than by a K Kᵀ dot.
 """
 
 import torch
@@ -48,7 +48,7 @@ from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
-def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
+def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, PRECISION: tl.constexpr):
     """Gradients of one diagonal block of the pair matrices ``P_ij = Σ_c x_ic k_jc
     e^{G_ic - G_jc}`` (x = k for A, x = q for Aqk) given the cotangents dA (strictly
     lower, scaled by β_i in A) and m_q (Aqk's, lower), exact for any gate. Returns
@@ -56,9 +56,9 @@ def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
 
     The pairs j < i go through the levels of the dyadic split (``dyadic_level``), whose
     factors (<= 1) scale the rows and the columns of four dots a level; Aqk's r == c terms
-    need no decay and are added directly. Products are fp32 and the dots exact, as in
+    need no decay and are added directly. Products are fp32 and the dots near-exact, as in
     ``_dense_diagonal_grads`` and for the same reason: a pair term's two ends in dG, at its
-    row and at its column, must be rounded alike."""
+    row and at its column, must be rounded alike. ``PRECISION``: as there."""
     sub = tl.arange(0, BLOCK)
     m_q_diag = tl.sum(tl.where(sub[:, None] == sub[None, :], m_q, 0.0), axis=1)[:, None]
     row_k = tl.zeros_like(r_k)
@@ -72,38 +72,40 @@ def _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum):
         pair_q = tl.where(pairs, m_q, 0.0)
         # Σ_j dA_ij k_j f_j gives both A's row term (times β_i f_i) and dβ (dotted with
         # k_i f_i): no separate K Kᵀ dot.
-        a_rows = tl.dot(pair_a, k_f, input_precision="ieee")
+        a_rows = tl.dot(pair_a, k_f, input_precision=PRECISION)
         row_k += r_beta[:, None] * factor * a_rows
         d_beta += tl.sum(k_f * a_rows, axis=1)
-        row_q += factor * tl.dot(pair_q, k_f, input_precision="ieee")
-        col_f = tl.dot(tl.trans(pair_a), r_beta[:, None] * k_f, input_precision="ieee")
-        col_f += tl.dot(tl.trans(pair_q), r_q * factor, input_precision="ieee")
+        row_q += factor * tl.dot(pair_q, k_f, input_precision=PRECISION)
+        col_f = tl.dot(tl.trans(pair_a), r_beta[:, None] * k_f, input_precision=PRECISION)
+        col_f += tl.dot(tl.trans(pair_q), r_q * factor, input_precision=PRECISION)
         col += factor * col_f
     return row_k, row_q, col, d_beta
 
 
 @triton.jit
-def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up):
+def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up, PRECISION: tl.constexpr):
     """``_dyadic_diagonal_grads``'s gradients by dense dots with the pair factors split at
     the block's first row ``ref`` (for blocks decaying within ``PAIRS_DENSE_LIMIT``
     (``chunk/prepare.py``), so that the growing half e^{ref - G} stays below e^75);
     ``up = e^{G - ref}`` ``[BLOCK, BK]``.
 
-    Operands stay fp32 and the dots exact whatever the inputs' dtype: each pair term
-    enters dG twice, at its row (through k e^{ref - G}) and negated at its column (through
-    q or k e^{G - ref}), and only cancels in dg, the reverse cumsum, when both ends are
-    rounded alike. The diagonal block holds the largest terms (Aqk's r == c term, which
-    cancels exactly, and the least decayed pairs): with bf16 operands dg is off by
-    percents, and dA_log / d dt_bias, sums over tokens, by far more."""
+    Operands stay fp32 and the dots near-exact whatever the inputs' dtype (``PRECISION``:
+    "ieee" FMA, or "bf16x3", three bf16 products of the operands' high and low halves, about
+    16 significant bits against bf16's 8): each pair term enters dG twice, at its row
+    (through k e^{ref - G}) and negated at its column (through q or k e^{G - ref}), and only
+    cancels in dg, the reverse cumsum, when both ends are rounded alike. The diagonal block
+    holds the largest terms (Aqk's r == c term, which cancels exactly, and the least decayed
+    pairs): with bf16 operands dg is off by percents, and dA_log / d dt_bias, sums over
+    tokens, by far more."""
     down = tl.exp(ref[None, :] - r_cum)
     k_up = r_k * up
     k_down = r_k * down
     # Σ_j dA_ij k_j e^{ref - G_j} gives A's row term (times β_i e^{G_i - ref}) and dβ
     # (dotted with k_i e^{G_i - ref}): no K Kᵀ dot.
-    a_rows = tl.dot(d_a, k_down, input_precision="ieee")
-    row_q = tl.dot(m_q, k_down, input_precision="ieee") * up
-    col = tl.dot(tl.trans(r_beta[:, None] * d_a), k_up, input_precision="ieee")
-    col = (col + tl.dot(tl.trans(m_q), r_q * up, input_precision="ieee")) * down
+    a_rows = tl.dot(d_a, k_down, input_precision=PRECISION)
+    row_q = tl.dot(m_q, k_down, input_precision=PRECISION) * up
+    col = tl.dot(tl.trans(r_beta[:, None] * d_a), k_up, input_precision=PRECISION)
+    col = (col + tl.dot(tl.trans(m_q), r_q * up, input_precision=PRECISION)) * down
     return r_beta[:, None] * up * a_rows, row_q, col, tl.sum(k_up * a_rows, axis=1)
 
 
@@ -182,7 +184,7 @@ def _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask):
 def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
                  remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
                  rows_a, rows_q, col, HV: tl.constexpr, K: tl.constexpr, N_K: tl.constexpr,
-                 DENSE: tl.constexpr):  # fmt: skip
+                 DENSE: tl.constexpr, DIAGONAL_PRECISION: tl.constexpr):  # fmt: skip
     """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
     ``rows_q`` its rows against earlier columns (``_earlier_columns``), ``col`` its columns
     against later rows (``_later_rows``). Adds the diagonal block (``DENSE``: fp32 dots at
@@ -203,11 +205,13 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
     old_q, old_k, old_cum = _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask)
     d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, i_b)
     if DENSE:
-        diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
-                                                                 r_cum, ref, up)  # fmt: skip
+        diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(
+            d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up, DIAGONAL_PRECISION
+        )
     else:
-        diag_k, diag_q, diag_col, d_beta = _dyadic_diagonal_grads(d_a, r_beta, m_q, r_q, r_k,
-                                                                  r_cum)  # fmt: skip
+        diag_k, diag_q, diag_col, d_beta = _dyadic_diagonal_grads(
+            d_a, r_beta, m_q, r_q, r_k, r_cum, DIAGONAL_PRECISION
+        )
     row_k = r_beta[:, None] * up * rows_a + diag_k
     row_q = up * rows_q + diag_q
     col += diag_col
@@ -227,7 +231,7 @@ def chunk_bwd_pairs_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAFE_GATE: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DIAGONAL_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """For 16-row block i_b of chunk i_c, value head i_hv and the BK key columns of block
     i_k (every pair term is a per-column product but for dβ's sum over columns, whose
@@ -294,20 +298,33 @@ def chunk_bwd_pairs_kernel(
     _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
                  remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
                  rows_a, rows_q, col, HV, K, N_K,
-                 SAFE_GATE or CHUNKS == "bounded")  # fmt: skip
+                 SAFE_GATE or CHUNKS == "bounded", DIAGONAL_PRECISION)  # fmt: skip
 
 
 # The prepare flags chunk_bwd_pairs_kernel takes.
 PAIRS_FLAGS = ("SAFE_GATE", "USE_L2NORM", "USE_BETA_SIGMOID", "IS_VARLEN", "DOT_PRECISION")
-# Key columns a program of the pairs kernel on CUDA: 64, two programs an SM without
-# spills; 32 columns fit three, but each program reloads the pair tiles and the row norms
-# for half the work, and the step is slower (``launch_sweep.py --only pairs``).
-PAIRS_COLUMNS, PAIRS_STAGES = 64, 1
+# Key columns and pipeline stages of a pairs program on CUDA, its warps by the diagonal
+# blocks' path, and the diagonal blocks' fp32 products with bf16 / fp16 inputs: three
+# bf16 tensor-core products of the operands' high and low halves ("bf16x3", ~16
+# significant bits) in place of FMA ("ieee"). Chosen by ``launch_sweep.py --only pairs``
+# and ``ab.py``: with the FMA products a program took 4 warps and 64 columns, its tiles
+# in the FMA layouts at 255 registers; with the tensor-core products a warp holds a
+# 32-column program, eight an SM (the dyadic path's four dots a level want two warps).
+PAIRS_COLUMNS, PAIRS_STAGES = 32, 1
+PAIRS_WARPS = {"dense": 1, "dyadic": 2}
+DIAGONAL_PRECISION = "bf16x3"
 
 
 def pair_columns(block_k: int, device: torch.device) -> int:
     """Key columns a program of ``chunk_bwd_pairs_kernel`` takes (``key_columns``)."""
     return key_columns(block_k, PAIRS_COLUMNS, device)
+
+
+def diagonal_precision(dot_precision: str, device: torch.device) -> str:
+    """The ``input_precision`` of the diagonal blocks' fp32 dots: ``DIAGONAL_PRECISION``
+    on CUDA for inputs whose dots are tf32 (bf16 / fp16), else exact (fp32 inputs, and the
+    interpreter, which has no split-bf16 products)."""
+    return DIAGONAL_PRECISION if device.type == "cuda" and dot_precision != "ieee" else "ieee"
 
 
 def launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
@@ -329,11 +346,13 @@ def launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a
     else:
         pair_passes = ("bounded", "unbounded")
     pair_flags = {name: flags[name] for name in PAIRS_FLAGS}
+    diagonal = diagonal_precision(flags["DOT_PRECISION"], q.device)
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * 4 * n_pair_k, value_heads)](
             q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
             *pair_low_tiles, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
-            **dict(shape, BK=pair_k), **pair_flags, CHUNKS=chunks, num_warps=4,
+            **dict(shape, BK=pair_k), **pair_flags, DIAGONAL_PRECISION=diagonal, CHUNKS=chunks,
+            num_warps=PAIRS_WARPS["dyadic" if chunks == "unbounded" else "dense"],
             num_stages=PAIRS_STAGES,
         )  # fmt: skip
