@@ -103,22 +103,30 @@ def sweep_gate(x: Inputs):
 
 
 def sweep_pairs(x: Inputs):
+    """The pairs kernel on its dense path (the safe gate) and on its dyadic one (every
+    chunk flagged unbounded, as Kimi Linear's softplus gate can leave them), by the
+    diagonal blocks' fp32 dot precision, key columns, warps and stages."""
     cum_g = x.cumulative_gate()
     q_norm, k_norm = (torch.rand(1, x.length, x.heads, device="cuda") + 0.5 for _ in range(2))
     d_aqk, d_a = x.tiles(), x.tiles()
     d_aqk_low, d_a_low = d_aqk.to(torch.bfloat16), d_a.to(torch.bfloat16)
     rows = [x.f32(1, x.length, x.heads, DIM) for _ in range(3)]
-    sizes = itertools.product(("ieee", "tf32x3", "bf16x3"), (16, 32, 64), (1, 2, 4), (1, 2))
-    for diagonal, columns, warps, stages in sizes:
+    flagged = torch.ones(x.chunks * x.heads, dtype=torch.int8, device="cuda")
+    sizes = itertools.product(("dense", "dyadic"), ("ieee", "tf32x3", "bf16x3"), (32, 64),
+                              (1, 2, 4), (1, 2))  # fmt: skip
+    for path, diagonal, columns, warps, stages in sizes:
         dbeta_part = torch.empty(1, x.length, x.heads, DIM // columns, device="cuda")
         grid = (x.chunks * 4 * (DIM // columns), x.heads)
-        case = f"pairs, {diagonal} diagonal, {columns} columns, {warps} warps, {stages} stages"
+        flags = dict(x.flags_of(PAIRS_FLAGS), SAFE_GATE=path == "dense")
+        case = (f"pairs, {path}, {diagonal} diagonal, {columns} columns, {warps} warps, "
+                f"{stages} stages")  # fmt: skip
         yield case, partial(
             chunk_bwd_pairs_kernel[grid],
             x.q, x.k, x.beta, None, None, cum_g, q_norm, k_norm, d_aqk, d_a, d_aqk_low,
-            d_a_low, None, x.length, 1, *rows, dbeta_part, H=x.heads, HV=x.heads, K=DIM,
-            BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **x.flags_of(PAIRS_FLAGS),
-            DIAGONAL_PRECISION=diagonal, CHUNKS="all", num_warps=warps, num_stages=stages,
+            d_a_low, flagged, x.length, 1, *rows, dbeta_part, H=x.heads, HV=x.heads, K=DIM,
+            BK=columns, BN=1, CHUNK=CHUNK, BLOCK=16, **flags, DIAGONAL_PRECISION=diagonal,
+            CHUNKS="all" if path == "dense" else "unbounded", num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
 
 
