@@ -18,7 +18,8 @@ from kda_ops.kernels.fast_exp import fast_sigmoid
 from kda_ops.kernels.gate import gate_activation
 
 CHUNK = reference.CHUNK_SIZE
-BLOCK = tl.constexpr(16)  # rows of a block of the UT/WY solve; 4 blocks per chunk
+BLOCK = tl.constexpr(16)  # rows of a block of the UT/WY solve
+CHUNK_BLOCKS = tl.constexpr(CHUNK // BLOCK.value)  # row blocks of a 64-token chunk
 LOG2_BLOCK = tl.constexpr(4)
 L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
 

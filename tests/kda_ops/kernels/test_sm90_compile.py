@@ -26,7 +26,7 @@ from kda_ops.kernels.chunk.backward.pairs import (
     DIAGONAL_PRECISION,
     PAIRS_COLUMNS,
     PAIRS_STAGES,
-    PAIRS_WARPS,
+    pair_warps,
 )
 from kda_ops.kernels.chunk.backward.recompute import REBUILD_WARPS, rebuild_blocks
 from kda_ops.kernels.chunk.backward.state import STATE_WARPS
@@ -156,8 +156,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
                  SAFE_GATE=chunks == "all", USE_L2NORM=True, USE_BETA_SIGMOID=True,
                  IS_VARLEN=False, DOT_PRECISION="tf32", DIAGONAL_PRECISION=DIAGONAL_PRECISION,
                  CHUNKS=chunks),
-            {}, {"num_warps": PAIRS_WARPS["dyadic" if chunks == "unbounded" else "dense"],
-                 "num_stages": PAIRS_STAGES},
+            {}, {"num_warps": pair_warps(chunks), "num_stages": PAIRS_STAGES},
         )
         for chunks in ("all", "bounded", "unbounded")
     },
@@ -295,8 +294,8 @@ def key_split_kernels(head_k: int) -> dict[str, tuple]:
                                         USE_BETA_SIGMOID=True, IS_VARLEN=False,
                                         DOT_PRECISION="tf32",
                                         DIAGONAL_PRECISION=DIAGONAL_PRECISION, CHUNKS="all"),
-                                   {}, {"num_warps": PAIRS_WARPS["dense"],
-                                    "num_stages": PAIRS_STAGES}),
+                                   {}, {"num_warps": pair_warps("all"),
+                                        "num_stages": PAIRS_STAGES}),
         "chunk_bwd_gate_kernel": ("chunk.backward.gate", "chunk_bwd_gate_kernel",
                                   dict(gate, HV=32, K=head_k, BK=gate_k, BN=1, CHUNK=64,
                                        N_SHARES=cdiv(head_k, pair_k)),

@@ -320,6 +320,12 @@ def pair_columns(block_k: int, device: torch.device) -> int:
     return key_columns(block_k, PAIRS_COLUMNS, device)
 
 
+def pair_warps(chunks: str) -> int:
+    """Warps of a pairs launch over ``chunks`` (the kernel's ``CHUNKS``): the dyadic path's
+    for the unbounded chunks, else the dense one's (``PAIRS_WARPS``)."""
+    return PAIRS_WARPS["dyadic" if chunks == "unbounded" else "dense"]
+
+
 def diagonal_precision(dot_precision: str, device: torch.device) -> str:
     """The ``input_precision`` of the diagonal blocks' fp32 dots: ``DIAGONAL_PRECISION``
     on CUDA for inputs whose dots are tf32 (bf16 / fp16), else exact (fp32 inputs, and the
@@ -353,6 +359,5 @@ def launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a
             *pair_low_tiles, unbounded, length, n_seqs,
             dq_hat, dk_hat, d_cum, dbeta_part,
             **dict(shape, BK=pair_k), **pair_flags, DIAGONAL_PRECISION=diagonal, CHUNKS=chunks,
-            num_warps=PAIRS_WARPS["dyadic" if chunks == "unbounded" else "dense"],
-            num_stages=PAIRS_STAGES,
+            num_warps=pair_warps(chunks), num_stages=PAIRS_STAGES,
         )  # fmt: skip

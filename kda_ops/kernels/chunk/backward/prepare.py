@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kda_ops.kernels.chunk.backward.layout import Layout
 from kda_ops.kernels.chunk.backward.saved import SavedForBackward, empty_saved
+from kda_ops.kernels.chunk.device import CHUNK_BLOCKS
 from kda_ops.kernels.chunk.launch import scan_chunks
 from kda_ops.kernels.chunk.prepare import prepare_chunks
 from kda_ops.kernels.sizes import next_power_of_2
@@ -50,7 +51,7 @@ def chunk_bwd_prepare_kernel(
                    lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
                    USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, 4)  # fmt: skip
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, CHUNK_BLOCKS)  # fmt: skip
 
 
 def prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
