@@ -16,6 +16,7 @@ calls) and writes the rows, with every call's tokens/s, to ``--out`` (default
     python benchmarks/hybrid.py            # Kimi-Linear dims, 4 layers (3 KDA + 1 attention)
     python benchmarks/hybrid.py --quick    # small sizes, a smoke run
     python benchmarks/hybrid.py --no-shared-machine   # say nothing else ran on the machine
+    python benchmarks/hybrid.py --only training      # a subset of prefill, decode, training
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from examples.hybrid_model import (
     KDAKernels,
     mark_cache_static,
 )
+from lowering.inductor import kda_backend  # backend="kda" without the installed entry point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,11 +202,16 @@ def clone(cache: Cache) -> Cache:
     return tuple(type(state)(*(t.clone() for t in state)) for state in cache)
 
 
+PHASES = ["prefill", "decode", "training"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     parser.add_argument("--layers", type=int, default=4, help="layers (every 4th attention)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--only", nargs="+", choices=PHASES, default=PHASES,
+                        help="a subset of the phases")  # fmt: skip
     add_arguments(parser, "hybrid")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -238,48 +245,52 @@ def main() -> None:
               f">= {target} |", flush=True)  # fmt: skip
 
     with torch.no_grad():
-        compiled_prefill = torch.compile(ours.prefill, backend="kda", fullgraph=True)
-        eager = prefill_tokens_per_s(fla, fla.prefill, s)
-        compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
-        report(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
-        eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="allocate")
-        compiled = prefill_tokens_per_s(ours, compiled_prefill, s, cache="allocate")
-        report(f"prefill B=1 T={s.prefill_length}, cache allocated in the call", eager, compiled,
-               1.3)  # fmt: skip
-        logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
-        graphed_prefill = torch.compile(
-            ours.prefill, backend="kda", mode="reduce-overhead", fullgraph=True
+        if "prefill" in args.only:
+            compiled_prefill = torch.compile(ours.prefill, backend=kda_backend, fullgraph=True)
+            eager = prefill_tokens_per_s(fla, fla.prefill, s)
+            compiled = prefill_tokens_per_s(ours, compiled_prefill, s)
+            report(f"prefill B=1 T={s.prefill_length}", eager, compiled, 1.3)
+            eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="allocate")
+            compiled = prefill_tokens_per_s(ours, compiled_prefill, s, cache="allocate")
+            phase = f"prefill B=1 T={s.prefill_length}, cache allocated in the call"
+            report(phase, eager, compiled, 1.3)
+            logits_error = prefill_logits_error(fla, compiled_prefill, ours, s)
+            graphed_prefill = torch.compile(
+                ours.prefill, backend=kda_backend, mode="reduce-overhead", fullgraph=True
+            )
+            eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="static")
+            compiled = prefill_tokens_per_s(ours, graphed_prefill, s, cache="static")
+            report(f"prefill B=1 T={s.prefill_length}, (b) in CUDA graphs", eager, compiled, 1.3)
+            print(f"prefill logits, (b) against (a): relative error {logits_error:.2e}")
+            results.add(row(f"prefill B=1 T={s.prefill_length}", "kda-ops",
+                            "logits_error_vs_fla_eager", [logits_error], "relative"))  # fmt: skip
+        if "decode" in args.only:
+            cache_eager = prompt_cache(fla, s)
+            cache_compiled = clone(cache_eager)
+            mark_cache_static(cache_compiled)
+            compiled_decode = torch.compile(
+                ours.decode_, backend=kda_backend, mode="reduce-overhead", fullgraph=True
+            )
+            eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
+            compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
+            report(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
+    if "training" in args.only:
+        # Training: fresh copies of the same weights, every parameter trained.
+        with torch.device("cuda"):
+            ours_train = HybridLM(s.config).to(torch.bfloat16).train()
+            fla_train = HybridLM(s.config, kernels=fla_kernels()).to(torch.bfloat16).train()
+        ours_train.load_state_dict(ours.state_dict())
+        fla_train.load_state_dict(ours.state_dict())
+        eager, eager_loss = train_tokens_per_s(fla_train, language_model_loss(fla_train), s)
+        compiled_loss = torch.compile(
+            language_model_loss(ours_train), backend=kda_backend, fullgraph=True
         )
-        eager = prefill_tokens_per_s(fla, fla.prefill, s, cache="static")
-        compiled = prefill_tokens_per_s(ours, graphed_prefill, s, cache="static")
-        report(f"prefill B=1 T={s.prefill_length}, (b) in CUDA graphs", eager, compiled, 1.3)
-
-        cache_eager = prompt_cache(fla, s)
-        cache_compiled = clone(cache_eager)
-        mark_cache_static(cache_compiled)
-        compiled_decode = torch.compile(
-            ours.decode_, backend="kda", mode="reduce-overhead", fullgraph=True
-        )
-        eager = decode_tokens_per_s(fla.decode_, cache_eager, s)
-        compiled = decode_tokens_per_s(compiled_decode, cache_compiled, s)
-        report(f"decode B={s.decode_batch} (prompt {s.prompt})", eager, compiled, 2.0)
-    # Training: fresh copies of the same weights, every parameter trained.
-    with torch.device("cuda"):
-        ours_train = HybridLM(s.config).to(torch.bfloat16).train()
-        fla_train = HybridLM(s.config, kernels=fla_kernels()).to(torch.bfloat16).train()
-    ours_train.load_state_dict(ours.state_dict())
-    fla_train.load_state_dict(ours.state_dict())
-    eager, eager_loss = train_tokens_per_s(fla_train, language_model_loss(fla_train), s)
-    compiled_loss = torch.compile(language_model_loss(ours_train), backend="kda", fullgraph=True)
-    compiled, first_loss = train_tokens_per_s(ours_train, compiled_loss, s)
-    report(f"training step B=1 T={s.train_length}", eager, compiled, 1.25)
-    print(f"\nfirst training loss: (a) {eager_loss:.6f}, (b) {first_loss:.6f}")
-    results.add(row(f"training step B=1 T={s.train_length}", "kda-ops",
-                    "loss_difference_vs_fla_eager", [abs(first_loss - eager_loss)],
-                    "absolute"))  # fmt: skip
-    print(f"prefill logits, (b) against (a): relative error {logits_error:.2e}")
-    results.add(row(f"prefill B=1 T={s.prefill_length}", "kda-ops", "logits_error_vs_fla_eager",
-                    [logits_error], "relative"))  # fmt: skip
+        compiled, first_loss = train_tokens_per_s(ours_train, compiled_loss, s)
+        report(f"training step B=1 T={s.train_length}", eager, compiled, 1.25)
+        print(f"\nfirst training loss: (a) {eager_loss:.6f}, (b) {first_loss:.6f}")
+        results.add(row(f"training step B=1 T={s.train_length}", "kda-ops",
+                        "loss_difference_vs_fla_eager", [abs(first_loss - eager_loss)],
+                        "absolute"))  # fmt: skip
     print(f"wrote {results.path}")
 
 
