@@ -464,8 +464,7 @@ def main() -> None:
     prompt = torch.randint(model.config.vocab_size, (args.batch, args.prompt_length),
                            device=args.device)  # fmt: skip
     eager = generate(model, prompt, args.new_tokens, model.decode_)
-    import lowering.inductor  # noqa: F401  (registers backend="kda")
-
+    # backend="kda": the package's torch_dynamo_backends entry point (README's install).
     compiled = torch.compile(model.decode_, backend="kda", fullgraph=True)
     print(f"device={args.device} generated {tuple(eager.shape)}: {eager[0].tolist()}")
     same = torch.equal(generate(model, prompt, args.new_tokens, compiled), eager)
