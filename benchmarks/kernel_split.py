@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from ops import LOWER_BOUND, VARLEN, chunk_options, kda_inputs, varlen_bounds
+from ops import LOWER_BOUND, VARLEN, chunk_options, kda_inputs, varlen_cu_seqlens
 from results import Results, add_arguments, row
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -68,8 +68,7 @@ def main() -> None:
                    disable_recompute=args.disable_recompute)  # fmt: skip
     step_name = "forward" if args.forward else "forward + backward"
     if args.varlen:
-        options["cu_seqlens"] = torch.tensor(varlen_bounds(args.length), device="cuda",
-                                             dtype=torch.int32)  # fmt: skip
+        options["cu_seqlens"] = varlen_cu_seqlens(args.length)
         step_name += f" varlen {len(VARLEN) - 1} seqs"
     case = f"chunk_kda {step_name} B=1 T={args.length} H={args.heads} D=128 bf16" + (
         ", softplus gate" if args.softplus else "") + (

@@ -43,6 +43,11 @@ def varlen_bounds(length: int) -> list[int]:
     return [bound * length // VARLEN[-1] for bound in VARLEN]
 
 
+def varlen_cu_seqlens(length: int) -> torch.Tensor:
+    """``varlen_bounds(length)`` as the int32 ``cu_seqlens`` tensor the ops take."""
+    return torch.tensor(varlen_bounds(length), device=DEVICE, dtype=torch.int32)
+
+
 def kda_inputs(batch, length, heads, dim=128, dtype=torch.bfloat16):
     def rand(*shape, dtype=dtype):
         return torch.randn(*shape, device=DEVICE, dtype=dtype)
@@ -268,7 +273,7 @@ def bench_chunk_varlen(s: Settings, heads: int = 96, dim: int = 128) -> None:
     """Packed sequences of the issue's lengths, filled up to the same 8192 tokens."""
     length, heads, dim = tiny_shape(s, VARLEN[-1], heads, dim)
     bounds = varlen_bounds(length)
-    cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
+    cu_seqlens = varlen_cu_seqlens(length)
     x = kda_inputs(1, length, heads, dim)
     case = f"chunk_kda fwd varlen {len(bounds) - 1} seqs, {length} tokens, H={heads} D={dim} bf16"
     chunk_case(case, x, chunk_options(LOWER_BOUND), s, cu_seqlens, batch=1, T=length, H=heads,
@@ -382,8 +387,7 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
     x = kda_inputs(1, length, heads, dim)
     options = dict(chunk_options(lower_bound), disable_recompute=disable_recompute)
     if varlen:
-        bounds = varlen_bounds(length)
-        options["cu_seqlens"] = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
+        options["cu_seqlens"] = varlen_cu_seqlens(length)
     leaves = [t.requires_grad_() for t in x.values()]
     grad_o = torch.randn_like(x["v"])
 

@@ -8,8 +8,8 @@ term of Γ_C and dRw's term of dbeta; writes dv and the row-local parts of dq, d
 dbeta, which the pairs kernel (``pairs.py``) completes.
 
 dA is ``-(dRu uᵀ + dRw wᵀ)``; with ``dRw = -dRu Sᵀ`` that is ``-dRu (u - w S)ᵀ = -dRu
-v_newᵀ``, one product in pass 1 and none in pass 2 (whose key loop then holds no
-``[C, C]`` accumulator: 12 % less time a launch than the two-term form, which spilled).
+v_newᵀ``, one product in pass 1 and none in pass 2, whose key loop then holds no
+``[C, C]`` accumulator (with one there it spilled).
 
 u and v_new are recomputed here (one C × C and one C × K product per value block) rather
 than stored. The first pass hands v_new and dRu to the second through memory (input
