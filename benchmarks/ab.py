@@ -14,7 +14,7 @@ of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
 ``main:chunk.backward.state.STATE_WARPS=4``.
 
 Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk.backward.state.STATE_WARPS=4
-[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute]
+[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute] [--varlen]
 [--forward] [--shared-machine | --no-shared-machine] [--out benchmarks/results/ab.json]``.
 Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small
 shapes: ``--length 128 --heads 2 --dim 16``), which checks the plumbing, not the kernels.
@@ -73,6 +73,8 @@ def worker(args: argparse.Namespace) -> None:
 
     if not Path(kda_ops.__file__).is_relative_to(args.tree):
         raise RuntimeError(f"kda_ops imported from {kda_ops.__file__}, not {args.tree}")
+    from ops import varlen_cu_seqlens  # after the tree's kda_ops, which ops.py imports
+
     for name, value in json.loads(args.settings).items():
         module_name, _, constant = name.rpartition(".")
         module = importlib.import_module(f"kda_ops.kernels.{module_name}")
@@ -93,6 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                    use_beta_sigmoid_in_kernel=True, disable_recompute=args.disable_recompute,
                    lower_bound=None if args.softplus else -5.0)  # fmt: skip
+    if args.varlen:
+        options["cu_seqlens"] = varlen_cu_seqlens(t)
     leaves = [x[name].requires_grad_() for name in GRADIENTS]
     grad_o = rand(1, t, h, d).to(dtype)
 
@@ -126,6 +130,8 @@ def main() -> None:
     parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
     parser.add_argument("--disable-recompute", action="store_true")
     parser.add_argument("--forward", action="store_true", help="the inference forward alone")
+    parser.add_argument("--varlen", action="store_true",
+                        help="ops.py's packed varlen lengths in --length tokens")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
@@ -139,7 +145,7 @@ def main() -> None:
         parser.error("name at least one tree")
     shape = ["--heads", str(args.heads), "--length", str(args.length), "--dim", str(args.dim)]
     shape += ["--softplus"] * args.softplus + ["--disable-recompute"] * args.disable_recompute
-    shape += ["--forward"] * args.forward
+    shape += ["--forward"] * args.forward + ["--varlen"] * args.varlen
     names = ("o", "final_state") if args.forward else GRADIENTS
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -165,6 +171,7 @@ def main() -> None:
         step = "forward" if args.forward else "forward + backward"
         case = f"chunk_kda {step} B=1 T={args.length} H={args.heads} D={args.dim}" + (
             ", softplus gate" if args.softplus else "") + (
+            ", varlen" if args.varlen else "") + (
             ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
         print(f"\n| tree | µs a step, by round | vs first | {compared} vs first (rel.) |")
         print("| --- | --- | ---: | --- |")
