@@ -313,6 +313,15 @@ def chunk_offsets(cu_seqlens: Tensor, chunk_size: int = CHUNK_SIZE) -> Tensor:
     return torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)]).to(torch.int32)
 
 
+def longest_first(cu_seqlens: Tensor) -> Tensor:
+    """int32 ``[N]``: the packed sequences' numbers, longest first (equal lengths in
+    order). The head-parallel scans take their sequences in this order: a GPU starts a
+    grid's programs in order, and a long sequence's scan started last would run on alone
+    after the short ones are done. On cu_seqlens' device, no host sync."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+
+
 def chunk_state_rows(
     batch: int, length: int, n_seqs: int | None, chunk_size: int = CHUNK_SIZE
 ) -> int:

@@ -67,6 +67,19 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 
 @triton.jit
+def scan_program(i_rank, sequence_order, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, value head, sequence-head index) of the head-parallel scan program that
+    takes sequence-head ``i_rank`` in launch order: packed sequences in the order of
+    ``sequence_order`` (``reference.longest_first``), fixed-length ones in their own."""
+    i_hv = i_rank % HV
+    if IS_VARLEN:
+        i_n = tl.load(sequence_order + i_rank // HV)
+    else:
+        i_n = i_rank // HV
+    return i_n, i_hv, i_n * HV + i_hv
+
+
+@triton.jit
 def tile_row(tile, i):
     """Row ``i`` (a tensor index) of a 2-D tile, as a vector over its columns."""
     return tl.sum(tl.where(tl.arange(0, tile.shape[0])[:, None] == i, tile, 0.0), axis=0)

@@ -155,26 +155,33 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
 
 def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
                 itemsize: int, aqk_itemsize: int, store_output: bool, shared_memory: int,
-                pipelined: bool = True, rows: int = 64) -> tuple[int, int]:  # fmt: skip
+                pipelined: bool = True, rows: int = 64,
+                run_ahead: bool = True) -> tuple[int, int]:  # fmt: skip
     """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
     :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
-    there), or 1 stage where the launcher does not pipeline the loop."""
+    there), or 1 stage where the launcher does not pipeline the loop. ``run_ahead``:
+    whether, where the SMs cannot give every program its own, 64 columns at 3 stages
+    beat 128 at 2 (the forward's recurrence); the dS scan's do not: at H = 96, 128
+    columns (96 programs) took 852 µs against 1019 at 64 (192 programs, two waves;
+    ``launch_sweep.py --only state``)."""
     widest = scan_widest(block_k, itemsize)
     if not pipelined:
         return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
     tiles = (itemsize, aqk_itemsize, store_output, shared_memory, rows)
-    three_stages_at_64 = scan_stages(block_k, 64, *tiles) == 3
+    three_stages_at_64 = run_ahead and scan_stages(block_k, 64, *tiles) == 3
     columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest)
     return columns, scan_stages(block_k, columns, *tiles)
 
 
 def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
                 itemsize: int, aqk_itemsize: int, store_output: bool,
-                pipelined: bool = True, rows: int = 64) -> tuple[int, int]:  # fmt: skip
+                pipelined: bool = True, rows: int = 64,
+                run_ahead: bool = True) -> tuple[int, int]:  # fmt: skip
     """:func:`scan_config` on ``device``."""
     sm_count = processors(device) if device.type == "cuda" else None
     return scan_config(block_k, block_v, sequence_heads, sm_count, itemsize, aqk_itemsize,
-                       store_output, shared_memory(device), pipelined, rows)  # fmt: skip
+                       store_output, shared_memory(device), pipelined, rows,
+                       run_ahead)  # fmt: skip
 
 
 def scan_launches(block_v: int, sequence_heads: int, columns: int,

@@ -17,7 +17,7 @@ programs of 64 value columns run in one wave."""
 import triton
 import triton.language as tl
 
-from kda_ops.kernels.chunk.device import CHUNK, sequence_span
+from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
 from kda_ops.kernels.chunk.planning import (
     dot_block,
     scan_launch,
@@ -31,19 +31,20 @@ from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, processors, shared_memory
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
+from kda_ops.reference import longest_first
 
 
 @triton.jit
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_chunks,
-    length, first_head, o, final_state, chunk_states,
+    sequence_order, length, first_head, o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, STEP: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), first_head + tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_v = tl.program_id(0)
+    i_n, i_hv, i_nh = scan_program(first_head + tl.program_id(1), sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
                                              STEP)  # fmt: skip
     # Chunk states are the states at 64-token chunk starts, every STEPS_A_CHUNK-th step.
@@ -112,10 +113,12 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
     symbolic sequence count (a graph traced for any batch) one launch at the value columns
     of a batch that fills the SMs: the split of value columns and of waves
-    (``scan_launch``, ``scan_launches``) compares the count with the SM count."""
+    (``scan_launch``, ``scan_launches``) compares the count with the SM count. Packed
+    sequences are taken longest first (``longest_first``)."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     step = aqk.shape[-1]  # tokens a step: the prepare's chunk
     state_chunks = chunk_offsets  # chunk_offsets of the 64-token chunks of the states
+    sequence_order = None if cu_seqlens is None else longest_first(cu_seqlens)
     if step != CHUNK and chunk_states is not None and cu_seqlens is not None:
         state_chunks = sequence_chunk_offsets(cu_seqlens, CHUNK)
     n_seqs, value_heads, head_k, state_width = final_state.shape
@@ -144,8 +147,8 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
         KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v), heads), dict(
             w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
-            state_chunks=state_chunks, length=length, first_head=first_head, o=o,
-            final_state=final_state, chunk_states=chunk_states,
+            state_chunks=state_chunks, sequence_order=sequence_order, length=length,
+            first_head=first_head, o=o, final_state=final_state, chunk_states=chunk_states,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
             STEP=step,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,

@@ -97,7 +97,8 @@ SCANS = {
     "chunk_recurrence_kernel/chunk_states": recurrence(64, store_states=True),
     "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
     "chunk_recurrence_kernel/maps": recurrence(64, width=256, store_output=False),
-    **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (64, 128)},
+    # 32 columns: the heads past the first wave at H = 96 (``scan_launches``)
+    **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (32, 64, 128)},
 }
 VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument types,
     **SCANS,  # launch options])
@@ -187,8 +188,8 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "first_head": "i32",
              "n_seqs": "i32",
              "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
-             "chunk_offsets": "*i32", "state_chunks": "*i32", "cum_g": "*fp32",
-             "aqk": "*fp32", "solve": "*fp32",
+             "chunk_offsets": "*i32", "state_chunks": "*i32", "sequence_order": "*i32",
+             "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
              "unbounded": "*i8", "redo": "*i8",
              "dv_new": "*fp32", "dq_rows": "*fp32", "dk_rows": "*fp32", "d_cum_rows": "*fp32",
@@ -239,7 +240,8 @@ def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> 
     """``chunk_bwd_state_kernel`` as ``launch_chunk_kda_backward`` launches it."""
     block_k, size = dot_block(head_k), ITEMSIZE[dtype]
     columns, stages = scan_config(block_k, dot_block(head_v), sequence_heads, SMS, size, size,
-                                  True, SM90_SHARED_MEMORY, pipelined=dtype != "fp32")  # fmt: skip
+                                  True, SM90_SHARED_MEMORY, pipelined=dtype != "fp32",
+                                  run_ahead=False)  # fmt: skip
     constexprs = dict(HV=32, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=64,
                       HAS_INITIAL_STATE=True, IS_VARLEN=False,
                       DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
@@ -453,6 +455,7 @@ def test_scans_run_ahead_where_they_fit():
                       "chunk_recurrence_kernel/chunk_states": 3,
                       "chunk_recurrence_kernel/fp32": 3,
                       "chunk_recurrence_kernel/maps": 3,
+                      "chunk_bwd_state_kernel/columns=32": 3,
                       "chunk_bwd_state_kernel/columns=64": 3,
                       "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip
 

@@ -4,7 +4,9 @@ K × V in registers): ``dv_new = Aqkᵀ dO + kd dS'``,
 ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores dv_new (fp32), dS' of every chunk
 (q's dtype, at the chunk's global number) and dS of the first chunk (the initial state's
 gradient). It never needs S itself. A head-parallel scan as the forward's recurrence, it
-takes its value columns and pipeline stages from the same planning (``scan_launch``).
+takes its value columns, pipeline stages and launches from the same planning
+(``scan_launch``, ``scan_launches``), except that where 64-column programs would not
+each have an SM it takes 128 columns (``run_ahead=False``).
 """
 
 import torch
@@ -12,15 +14,22 @@ import triton
 import triton.language as tl
 
 from kda_ops.kernels.chunk.backward.layout import Layout
-from kda_ops.kernels.chunk.device import CHUNK, sequence_span
-from kda_ops.kernels.chunk.planning import scan_launch
-from kda_ops.kernels.sizes import cdiv
+from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
+from kda_ops.kernels.chunk.planning import (
+    scan_launch,
+    scan_launches,
+    scan_residency,
+    scan_shared,
+    scan_stages,
+)
+from kda_ops.kernels.sizes import cdiv, processors, shared_memory
+from kda_ops.reference import longest_first
 
 
 @triton.jit
 def chunk_bwd_state_kernel(
-    w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, chunk_offsets, length,
-    dv_new, dstates, grad_initial_state,
+    w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, chunk_offsets,
+    sequence_order, length, first_head, dv_new, dstates, grad_initial_state,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -29,8 +38,8 @@ def chunk_bwd_state_kernel(
     block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (``[n_chunks, HV, K, V]``
     in its buffer's dtype: the gradient of the state leaving each chunk) and, with
     ``HAS_INITIAL_STATE``, the initial state's gradient (fp32 ``[N, HV, K, V]``)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_v = tl.program_id(0)
+    i_n, i_hv, i_nh = scan_program(first_head + tl.program_id(1), sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -90,7 +99,8 @@ STATE_WARPS = 8
 def launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, length,
                       layout: Layout, dv_new, dstates, d_initial) -> None:  # fmt: skip
     """``chunk_bwd_state_kernel`` over every sequence and value head: writes ``dv_new``,
-    ``dstates`` and, given ``d_initial``, the initial state's gradient."""
+    ``dstates`` and, given ``d_initial``, the initial state's gradient; packed sequences
+    longest first (``longest_first``)."""
     head_k = q.shape[3]
     value_heads, head_v = dv_new.shape[2], dv_new.shape[3]
     n_seqs, offsets = layout.n_seqs, layout.chunk_offsets
@@ -98,13 +108,23 @@ def launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seq
     # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
     # (the accuracy path) are not pipelined: their tiles are twice as large.
     pipelined = q.dtype != torch.float32
-    split_v, stages = scan_launch(block_k, block_v, n_seqs * value_heads, q.device,
-                                  q.element_size(), aqk.element_size(), True,
-                                  pipelined)  # fmt: skip
-    chunk_bwd_state_kernel[(cdiv(head_v, split_v), n_seqs * value_heads)](
-        w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, length,
-        dv_new, dstates, d_initial,
-        HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=split_v, CHUNK=CHUNK,
-        HAS_INITIAL_STATE=d_initial is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages,
-    )  # fmt: skip
+    tiles = (q.element_size(), aqk.element_size(), True)
+    shared = shared_memory(q.device)
+    sequence_heads = n_seqs * value_heads
+    widest, _ = scan_launch(block_k, block_v, sequence_heads, q.device, *tiles, pipelined,
+                            run_ahead=False)  # fmt: skip
+
+    def stages(columns: int) -> int:
+        return scan_stages(block_k, columns, *tiles, shared) if pipelined else 1
+
+    buffers = scan_shared(stages(widest), block_k, widest, *tiles)
+    slots = processors(q.device) * scan_residency(buffers, STATE_WARPS, shared)
+    order = None if cu_seqlens is None else longest_first(cu_seqlens)
+    for first_head, heads, columns in scan_launches(block_v, sequence_heads, widest, slots):
+        chunk_bwd_state_kernel[(cdiv(head_v, columns), heads)](
+            w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, order,
+            length, first_head, dv_new, dstates, d_initial,
+            HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=CHUNK,
+            HAS_INITIAL_STATE=d_initial is not None, IS_VARLEN=cu_seqlens is not None,
+            DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages(columns),
+        )  # fmt: skip

@@ -72,6 +72,22 @@ def test_scan_config_of_the_forward_steps(block_k, block_v, heads, itemsize, exp
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    "heads, expected",
+    [
+        (16, (32, 3)),  # idle SMs: the narrowest blocks, as the recurrence's
+        (64, (64, 3)),  # one wave at 64 columns
+        (96, (128, 2)),  # 64 columns would take two waves: 128, one a head
+        (576, (128, 2)),  # packed sequences' sequence-heads
+    ],
+)
+def test_scan_config_of_the_ds_scan(heads, expected):
+    """The dS scan (``run_ahead=False``) takes 128 columns where 64 would not give every
+    program an SM of its own."""
+    got = scan_config(128, 128, heads, SMS, 2, 2, True, SM90_SHARED_MEMORY, run_ahead=False)
+    assert got == expected
+
+
 def _slots(rows: int, columns: int = 64, warps: int = 4) -> int:
     stages = scan_stages(128, columns, 2, 2, True, SM90_SHARED_MEMORY, rows)
     shared = scan_shared(stages, 128, columns, 2, 2, True, rows)

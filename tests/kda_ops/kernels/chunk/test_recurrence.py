@@ -1,5 +1,7 @@
 """The recurrence kernel's launches (``recurrence.py``)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -33,3 +35,27 @@ def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
     torch.testing.assert_close(final_two, final_one)
     used = reference.chunk_state_rows(batch, 300, None) if cu_seqlens is None else 6
     torch.testing.assert_close(states_two[:used], states_one[:used])
+
+
+def test_longest_first():
+    cu_seqlens = torch.tensor([0, 3, 10, 10, 15], dtype=torch.int32)
+    assert reference.longest_first(cu_seqlens).tolist() == [1, 3, 0, 2]
+
+
+def test_packed_sequences_taken_longest_first():
+    """The scan takes packed sequences out of their order (longest first): each keeps its
+    own outputs, initial state and final state, as when run alone."""
+    bounds = [0, 40, 200, 230]
+    x = delta_rule_inputs(raw_gate=True, dtype=torch.float32, length=230, heads=1,
+                          value_heads=2, head_k=16, head_v=32)  # fmt: skip
+    *tensors, _ = (t.to(DEVICE) for t in x.tensors())
+    initial = torch.randn(3, 2, 16, 32, device=DEVICE)
+    options = (0.3, -5.0, True, True)
+    cu_seqlens = torch.tensor(bounds, device=DEVICE).int()
+    assert reference.longest_first(cu_seqlens).tolist() == [1, 0, 2]
+    o, final = launch_chunk_kda(*tensors, initial, cu_seqlens, *options)
+    for n, (start, end) in enumerate(itertools.pairwise(bounds)):
+        alone = [t[:, start:end] if t.dim() > 1 else t for t in tensors]
+        o_alone, final_alone = launch_chunk_kda(*alone, initial[n : n + 1], None, *options)
+        torch.testing.assert_close(o[:, start:end], o_alone)
+        torch.testing.assert_close(final[n : n + 1], final_alone)
