@@ -310,6 +310,42 @@ def test_chunk_backward_against_float64_reference(dtype, varlen, lower_bound):
     assert all(errors[n] < scale * tolerance[n] for n in errors), errors
 
 
+def head_slice(name, tensor, heads):
+    """``tensor`` (chunk_kda's input or gradient ``name``) on the value heads ``heads``."""
+    if name == "A_log":
+        return tensor[heads]
+    if name == "dt_bias":
+        return tensor.view(-1, 128)[heads].flatten()  # [H * K], K = 128 here
+    return tensor[:, heads] if name == "initial_state" else tensor[:, :, heads]
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_chunk_backward_many_heads_against_float64_reference(varlen):
+    """At 96 heads the scans' programs outnumber the SMs: the dS scan takes 128 value
+    columns and packed sequences go longest first. The gradients of the first and last
+    heads against the float64 reference on those heads alone (all 96 in float64 would take
+    tens of GB)."""
+    x, kwargs = chunk_inputs(1000, 96, -5.0)
+    picked = [0, 1, 94, 95]
+    cu_seqlens = None
+    if varlen:
+        cu_seqlens = torch.tensor([0, 1, 300, 1000], device="cuda", dtype=torch.int32)
+    state = torch.randn(3 if varlen else 1, 96, 128, 128, device="cuda")
+    grad_o = torch.randn_like(x["v"])
+    grad_state = torch.randn_like(state)
+    kwargs = dict(kwargs, cu_seqlens=cu_seqlens)
+    grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
+    sliced = {name: head_slice(name, t, picked) for name, t in x.items()}
+    expected = chunk_kda_grads(
+        kda_ops.chunk_kda, float64(sliced), head_slice("initial_state", state, picked).double(),
+        head_slice("v", grad_o, picked).double(),
+        head_slice("initial_state", grad_state, picked).double(), **kwargs,
+    )  # fmt: skip
+    errors = {name: relative_error(head_slice(name, grads[name], picked), expected[name])
+              for name in REFERENCE_GRAD_TOLERANCE}  # fmt: skip
+    assert all(errors[n] < REFERENCE_GRAD_TOLERANCE[n] for n in errors), errors
+
+
 @needs_fla
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_chunk_backward_against_fla(lower_bound):
