@@ -166,8 +166,7 @@ def sweep_recurrence(x: Inputs):
             w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, o,
             final_state, None, HV=x.heads, K=DIM, V=DIM, WIDTH=DIM, BK=DIM, BV=columns,
             STEP=CHUNK, HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
-            STORE_CHUNK_STATES=False,
-            STORE_OUTPUT=True, STAGES=stages, num_warps=warps,
+            STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, num_warps=warps,
         )  # fmt: skip
 
 

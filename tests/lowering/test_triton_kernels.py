@@ -189,12 +189,11 @@ def test_conv_prefill_with_a_longer_state_stays_the_op():
 @pytest.fixture
 def hopper_sizes(monkeypatch):
     """An H200's SM count and shared memory for the chunk planning of fake CUDA tensors."""
-    from kda_ops.kernels.chunk import planning, recurrence, segments
+    from kda_ops.kernels.chunk import planning, segments
 
-    for module in (planning, recurrence, segments):
+    for module in (planning, segments):
         monkeypatch.setattr(module, "processors", lambda device: 132)
-    for module in (planning, recurrence):
-        monkeypatch.setattr(module, "shared_memory", lambda device: 227 * 1024)
+    monkeypatch.setattr(planning, "shared_memory", lambda device: 227 * 1024)
 
 
 def _chunk_inputs(length, dtype=torch.bfloat16, batch=2, heads=2, dim=32):

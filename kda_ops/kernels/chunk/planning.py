@@ -200,3 +200,31 @@ def scan_launches(block_v: int, sequence_heads: int, columns: int,
     if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= slots:
         return [(0, first_wave, columns), (first_wave, rest, half)]
     return [(0, sequence_heads, columns)]
+
+
+def scan_plan(block_k: int, block_v: int, sequence_heads, device: torch.device, itemsize: int,
+              aqk_itemsize: int, store_output: bool, warps: int, pipelined: bool = True,
+              rows: int = 64, run_ahead: bool = True) -> list[tuple]:  # fmt: skip
+    """(first sequence-head, sequence-heads, value columns, pipeline stages) of each launch
+    of a head-parallel scan on ``device``: :func:`scan_launch`'s columns, its programs
+    split past one wave by :func:`scan_launches` (``warps`` a program, which with its
+    buffers sets how many share an SM). With a symbolic ``sequence_heads`` (a graph traced
+    for any batch) one launch at the columns of a batch that fills the SMs."""
+    sms, shared = processors(device), shared_memory(device)
+    tiles = (itemsize, aqk_itemsize, store_output)
+    options = dict(pipelined=pipelined, rows=rows, run_ahead=run_ahead)
+
+    def stages(columns: int) -> int:
+        return scan_stages(block_k, columns, *tiles, shared, rows) if pipelined else 1
+
+    if not isinstance(sequence_heads, int):
+        columns, column_stages = scan_launch(block_k, block_v, sms, device, *tiles, **options)
+        return [(0, sequence_heads, columns, column_stages)]
+    columns, column_stages = scan_launch(block_k, block_v, sequence_heads, device, *tiles,
+                                         **options)  # fmt: skip
+    buffers = scan_shared(column_stages, block_k, columns, *tiles, rows)
+    slots = sms * scan_residency(buffers, warps, shared)
+    return [
+        (first, heads, split, stages(split))
+        for first, heads, split in scan_launches(block_v, sequence_heads, columns, slots)
+    ]

@@ -18,18 +18,10 @@ import triton
 import triton.language as tl
 
 from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
-from kda_ops.kernels.chunk.planning import (
-    dot_block,
-    scan_launch,
-    scan_launches,
-    scan_residency,
-    scan_shared,
-    scan_stages,
-    scan_warps,
-)
+from kda_ops.kernels.chunk.planning import dot_block, scan_plan, scan_warps
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.launches import KernelLaunch
-from kda_ops.kernels.sizes import cdiv, processors, shared_memory
+from kda_ops.kernels.sizes import cdiv
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import longest_first
 
@@ -113,7 +105,7 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
     symbolic sequence count (a graph traced for any batch) one launch at the value columns
     of a batch that fills the SMs: the split of value columns and of waves
-    (``scan_launch``, ``scan_launches``) compares the count with the SM count. Packed
+    (``scan_plan``) compares the count with the SM count. Packed
     sequences are taken longest first (``longest_first``)."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     step = aqk.shape[-1]  # tokens a step: the prepare's chunk
@@ -124,23 +116,9 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
     block_k, block_v = dot_block(head_k), dot_block(state_width)
-    sequence_heads = n_seqs * value_heads
-    tiles = (w.element_size(), aqk.element_size(), o is not None)
-    sms, shared = processors(u.device), shared_memory(u.device)
-    warps = scan_warps(block_k)
-
-    def stages(columns):
-        return scan_stages(block_k, columns, *tiles, shared, step)
-
-    if isinstance(sequence_heads, int):
-        columns, column_stages = scan_launch(block_k, block_v, sequence_heads, u.device, *tiles,
-                                             rows=step)  # fmt: skip
-        buffers = scan_shared(column_stages, block_k, columns, *tiles, step)
-        slots = sms * scan_residency(buffers, warps, shared)
-        launches = scan_launches(block_v, sequence_heads, columns, slots)
-    else:
-        columns, _ = scan_launch(block_k, block_v, sms, u.device, *tiles, rows=step)
-        launches = [(0, sequence_heads, columns)]
+    launches = scan_plan(block_k, block_v, n_seqs * value_heads, u.device, w.element_size(),
+                         aqk.element_size(), o is not None, scan_warps(block_k),
+                         rows=step)  # fmt: skip
     written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
     writes = tuple(name for name, tensor in written.items() if tensor is not None)
     return [
@@ -154,9 +132,9 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
-            STAGES=stages(split_v), num_warps=warps,
+            STAGES=stages, num_warps=scan_warps(block_k),
         ), writes)
-        for first_head, heads, split_v in launches
+        for first_head, heads, split_v, stages in launches
     ]  # fmt: skip
 
 

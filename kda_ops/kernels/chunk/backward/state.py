@@ -5,7 +5,7 @@ K × V in registers): ``dv_new = Aqkᵀ dO + kd dS'``,
 (q's dtype, at the chunk's global number) and dS of the first chunk (the initial state's
 gradient). It never needs S itself. A head-parallel scan as the forward's recurrence, it
 takes its value columns, pipeline stages and launches from the same planning
-(``scan_launch``, ``scan_launches``), except that where 64-column programs would not
+(``scan_plan``), except that where 64-column programs would not
 each have an SM it takes 128 columns (``run_ahead=False``).
 """
 
@@ -15,14 +15,8 @@ import triton.language as tl
 
 from kda_ops.kernels.chunk.backward.layout import Layout
 from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
-from kda_ops.kernels.chunk.planning import (
-    scan_launch,
-    scan_launches,
-    scan_residency,
-    scan_shared,
-    scan_stages,
-)
-from kda_ops.kernels.sizes import cdiv, processors, shared_memory
+from kda_ops.kernels.chunk.planning import scan_plan
+from kda_ops.kernels.sizes import cdiv
 from kda_ops.reference import longest_first
 
 
@@ -108,23 +102,15 @@ def launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seq
     # Its loop loads the forward recurrence's five tiles a chunk (dO for u); fp32 inputs
     # (the accuracy path) are not pipelined: their tiles are twice as large.
     pipelined = q.dtype != torch.float32
-    tiles = (q.element_size(), aqk.element_size(), True)
-    shared = shared_memory(q.device)
-    sequence_heads = n_seqs * value_heads
-    widest, _ = scan_launch(block_k, block_v, sequence_heads, q.device, *tiles, pipelined,
-                            run_ahead=False)  # fmt: skip
-
-    def stages(columns: int) -> int:
-        return scan_stages(block_k, columns, *tiles, shared) if pipelined else 1
-
-    buffers = scan_shared(stages(widest), block_k, widest, *tiles)
-    slots = processors(q.device) * scan_residency(buffers, STATE_WARPS, shared)
+    launches = scan_plan(block_k, block_v, n_seqs * value_heads, q.device, q.element_size(),
+                         aqk.element_size(), True, STATE_WARPS, pipelined,
+                         run_ahead=False)  # fmt: skip
     order = None if cu_seqlens is None else longest_first(cu_seqlens)
-    for first_head, heads, columns in scan_launches(block_v, sequence_heads, widest, slots):
+    for first_head, heads, columns, stages in launches:
         chunk_bwd_state_kernel[(cdiv(head_v, columns), heads)](
             w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, order,
             length, first_head, dv_new, dstates, d_initial,
             HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=CHUNK,
             HAS_INITIAL_STATE=d_initial is not None, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages(columns),
+            DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages,
         )  # fmt: skip

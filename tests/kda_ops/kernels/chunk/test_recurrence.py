@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.kernels.chunk import recurrence
+from kda_ops.kernels.chunk import planning
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import DEVICE
@@ -29,7 +29,7 @@ def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
     states_two = torch.empty_like(states_one)
     o_one, final_one = launch_chunk_kda(*args, chunk_states=states_one, segments=1)
     split = [(0, 2, 32), (2, 3 * n_seqs - 2, 16)]
-    monkeypatch.setattr(recurrence, "scan_launches", lambda *_: split)
+    monkeypatch.setattr(planning, "scan_launches", lambda *_: split)
     o_two, final_two = launch_chunk_kda(*args, chunk_states=states_two, segments=1)
     torch.testing.assert_close(o_two, o_one)
     torch.testing.assert_close(final_two, final_one)
