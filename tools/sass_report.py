@@ -14,6 +14,7 @@ importable here; put the GPU machine's version first on ``PYTHONPATH`` to see it
 Usage, from the repository root::
 
     python tools/sass_report.py chunk_prepare_kernel/all [--lines 12] [--json report.json]
+        [--tree DIR]
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]
 SOURCE_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
-def variants() -> dict[str, tuple]:
-    """The sm_90 compile test's kernels as launched, by name."""
+def variants(tree: str | None = None) -> dict[str, tuple]:
+    """The sm_90 compile test's kernels as launched, by name; with ``tree``, the
+    ``kda_ops`` of that directory's (a checkout, or ``git archive REF kda_ops`` unpacked)."""
     sys.path.insert(0, str(REPO))
+    if tree is not None:
+        sys.path.insert(0, str(Path(tree).resolve()))
     from tests.kda_ops.kernels.test_sm90_compile import ARG_TYPES, VARIANTS
 
     return {name: (*spec, ARG_TYPES) for name, spec in VARIANTS.items()}
@@ -131,10 +135,11 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="the variants there are")
     parser.add_argument("--lines", type=int, default=12, help="source lines to print")
     parser.add_argument("--json", help="write the reports to this file")
+    parser.add_argument("--tree", help="a directory whose kda_ops to compile (default: this)")
     args = parser.parse_args()
     if "TRITON_INTERPRET" in os.environ:
         parser.error("unset TRITON_INTERPRET: interpreted kernels do not compile")
-    table = variants()
+    table = variants(args.tree)
     if args.list:
         print("\n".join(sorted(table)))
         return
