@@ -83,6 +83,19 @@ def test_varlen_gva_and_padded_head_dims():
     torch.testing.assert_close(state, state_ref)
 
 
+def test_varlen_with_empty_sequences():
+    """Empty sequences (repeated offsets: a server's idle slots) before, between and after
+    others: each keeps its initial state as its final state, and the others' outputs and
+    states are as if alone."""
+    cu_seqlens = torch.tensor([0, 0, 40, 40, 40, 110, 110], device=DEVICE, dtype=torch.int32)
+    (o, state), (o_ref, state_ref) = run(
+        "safe_gate", cu_seqlens=cu_seqlens, length=110, n_seqs=6, heads=1, value_heads=2,
+        head_k=16, head_v=16,
+    )  # fmt: skip
+    torch.testing.assert_close(o, o_ref.float())
+    torch.testing.assert_close(state, state_ref)
+
+
 def test_wide_head_dims():
     """K = 192, V = 256: 256-wide tiles with masked key columns, launched on the GPU with
     fewer pipeline stages and more warps than up to 128 (``scan_stages``)."""
