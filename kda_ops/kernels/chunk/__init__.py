@@ -11,8 +11,9 @@ its backward (``backward``).
 
 Why 16 in the forward: a 16-token chunk needs no coupling between row blocks, so a
 prepare program holds one block and takes about half the registers of the 64-token one
-(four programs an SM), in 0.55× its time on the H200; the recurrence's four times as many
-steps cost less than that saves (``benchmarks/README.md``, design notes).
+(four programs an SM) and about half its time; the recurrence's four times as many steps
+cost less than that saves (``benchmarks/results/forward_chunk16.json``; design notes in
+``benchmarks/README.md``).
 
 ``launch.py`` launches the two (``launch_chunk_kda``); ``planning.py`` picks the
 launches' flags and sizes; ``segments.py`` runs a long sequence's recurrence in segments;

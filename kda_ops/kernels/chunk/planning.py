@@ -57,9 +57,9 @@ def prepare_warps(block_k: int) -> int:
     """Warps of a prepare program (the forward's and the backward's kernel 1): 4 up to 128
     key columns, 8 past them. The program holds one 16-row block at a time, which at 4
     warps takes under 256 registers, two programs an SM (the forward's one-block chunks
-    about half that, four); at 8 warps the 64-token forward at H = 64 took 1.7× as long
-    and the 16-token one 1.6× (``benchmarks/ab.py --forward``). Past 128 columns a block's
-    tiles need the 8 warps' registers."""
+    about half that, four); 8 warps, one program an SM, were slower at both chunk sizes
+    (``benchmarks/results/prepare_blocks.json``, ``forward_chunk16.json``). Past 128
+    columns a block's tiles need the 8 warps' registers."""
     return 4 if block_k <= 128 else 8
 
 
@@ -87,8 +87,8 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     path's maps pass (no outputs) would fit 3 stages at 128 columns too, but runs slower
     with them than with 2, while at 64 columns the third stage pays there as well
     (``benchmarks/cp.py``); hence the 64-column limit for every scan. A step of ``rows``
-    < 64 token rows (the forward's 16-token recurrence) has a quarter of the buffers; 2
-    stages there took 1.7× as long as 3 at 64 columns (H = 64, T = 8192 on the H200).
+    < 64 token rows (the forward's 16-token recurrence) has a quarter of the buffers; there
+    2 stages were much slower than 3 (``benchmarks/results/forward_chunk16.json``).
 
     Up to 128 key columns 2 stages are taken unchecked: they fit every launch there, fp32
     inputs included, whose tiles take less than the bound. Past 128 a stage of the
@@ -161,9 +161,9 @@ def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optio
     :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
     there), or 1 stage where the launcher does not pipeline the loop. ``run_ahead``:
     whether, where the SMs cannot give every program its own, 64 columns at 3 stages
-    beat 128 at 2 (the forward's recurrence); the dS scan's do not: at H = 96, 128
-    columns (96 programs) took 852 µs against 1019 at 64 (192 programs, two waves;
-    ``launch_sweep.py --only state``)."""
+    beat 128 at 2 (the forward's recurrence); the dS scan's do not, its 64-column
+    programs taking two waves where 128-column ones take one
+    (``benchmarks/results/launch_sweep_state96.json``)."""
     widest = scan_widest(block_k, itemsize)
     if not pipelined:
         return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
