@@ -39,7 +39,9 @@ SOURCE_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 def variants(tree: str | None = None) -> dict[str, tuple]:
     """The sm_90 compile test's kernels as launched, by name; with ``tree``, the
-    ``kda_ops`` of that directory's (a checkout, or ``git archive REF kda_ops`` unpacked)."""
+    ``kda_ops`` of that directory's (a checkout, or ``git archive REF kda_ops tests``
+    unpacked), and its compile table too where it has one (a change of a kernel's
+    arguments comes with its table)."""
     sys.path.insert(0, str(REPO))
     if tree is not None:
         sys.path.insert(0, str(Path(tree).resolve()))
