@@ -139,7 +139,7 @@ def sweep_state(x: Inputs):
     # 16 columns: slower than 32 at every warp and stage count (H = 96: 1142 µs at best); at
     # 4 warps and 3 stages the launch faulted (an illegal address, Triton 3.6).
     for columns, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
-        grid = (DIM // columns, x.heads)
+        grid = (DIM // columns * x.heads,)
         yield f"dS scan, {columns} value columns, {warps} warps, {stages} stages", partial(
             chunk_bwd_state_kernel[grid],
             w, qg, kd, aqk, cum_g, grad_o, grad_final, None, None, None, x.length, 0, dv_new,
@@ -160,7 +160,7 @@ def sweep_recurrence(x: Inputs):
     o = torch.empty_like(x.q)
     final_state = torch.empty(1, x.heads, DIM, DIM, device="cuda")
     for columns, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
-        grid = (DIM // columns, x.heads)
+        grid = (DIM // columns * x.heads,)
         yield f"recurrence, {columns} value columns, {warps} warps, {stages} stages", partial(
             chunk_recurrence_kernel[grid],
             w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, o,

@@ -189,7 +189,7 @@ def _recurrent() -> PluginKernel:
         outputs=("o", "state_out"),
         absent=("state_indices", "cu_seqlens", "step_states"),
         constexprs=_recurrent_constexprs,
-        grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["q"][0] * c["HV"], 1),
+        grid=lambda s, c: (s["q"][0] * (cdiv(c["V"], c["BV"]) * c["HV"]), 1, 1),
         float32_params=("A_log", "dt_bias", "state_in", "state_out"),
     )
 
@@ -299,7 +299,7 @@ PLUGINS: dict[str, PluginKernel] = {
         outputs=("o", "final_state"),
         absent=("cu_seqlens", "chunk_offsets", "state_chunks", "sequence_order", "chunk_states"),
         constexprs=_chunk_recurrence_constexprs,
-        grid=lambda s, c: (cdiv(c["V"], c["BV"]), s["u"][0] * c["HV"], 1),
+        grid=lambda s, c: (s["u"][0] * (cdiv(c["V"], c["BV"]) * c["HV"]), 1, 1),
         float32_params=("chunk_decay", "initial_state", "final_state"),
     ),
     "causal_conv1d_output": PluginKernel(

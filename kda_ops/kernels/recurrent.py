@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kda_ops.kernels.chunk.device import L2NORM_EPS
+from kda_ops.kernels.chunk.device import L2NORM_EPS, value_block_program
 from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
@@ -33,7 +33,7 @@ def recurrent_kda_kernel(
     STORE_FINAL_STATE: tl.constexpr, STORE_STEP_STATES: tl.constexpr,
     STATE_IN_V_FIRST: tl.constexpr = False, STATE_OUT_V_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = value_block_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -144,7 +144,7 @@ def recurrent_launch(
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_k = next_power_of_2(head_k)
     block_v = min(next_power_of_2(head_v), 32 if block_k <= 128 else 16)
-    grid = (cdiv(head_v, block_v), n_seqs * value_heads)
+    grid = (cdiv(head_v, block_v) * n_seqs * value_heads,)
     args = dict(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state_in=state_in,
         state_indices=state_indices, cu_seqlens=cu_seqlens, scale=scale,

@@ -121,7 +121,7 @@ def test_recurrent_writes_a_new_float32_state(dtype):
     assert written.op != "placeholder" and written.meta["val"].dtype == torch.float32
     assert written.meta["val"].shape == (3, 4, 16, 16)
     assert sorted(node.kwargs["tensors_to_clone"]) == ["o", "state_out"]
-    assert node.kwargs["grid"] == [(1, 12, 1)]  # V = 16 in one block, 3 sequences x 4 heads
+    assert node.kwargs["grid"] == [(12, 1, 1)]  # V = 16 in one block, 3 sequences x 4 heads
 
 
 def test_recurrent_inplace_reads_and_writes_the_models_pool():

@@ -67,6 +67,16 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 
 @triton.jit
+def value_block_program(V: tl.constexpr, BV: tl.constexpr):
+    """(value block, sequence-head) of a program of a one-dimensional grid that walks the
+    value blocks of each sequence-head in turn. One axis, because a grid's second and third
+    extents stop at 65535: a batch of 2048 sequences at 32 value heads would not launch."""
+    blocks: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    return pid % blocks, pid // blocks
+
+
+@triton.jit
 def scan_program(i_rank, sequence_order, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(sequence, value head, sequence-head index) of the head-parallel scan program that
     takes sequence-head ``i_rank`` in launch order: packed sequences in the order of

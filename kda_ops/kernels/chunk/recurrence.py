@@ -1,5 +1,6 @@
-"""The forward's head-parallel recurrence kernel, ``chunk_recurrence_kernel`` (grid: value
-blocks × sequences × heads), and its launch over a set of sequences.
+"""The forward's head-parallel recurrence kernel, ``chunk_recurrence_kernel`` (a program a
+value block of a sequence-head, ``value_block_program``), and its launch over a set of
+sequences.
 
 Over the prepare kernel's outputs (``prepare.py``) it walks a sequence's chunks, a step
 of ``STEP`` tokens each (the prepare's chunk: 16 in the forward, 64 for the training
@@ -17,7 +18,7 @@ programs of 64 value columns run in one wave."""
 import triton
 import triton.language as tl
 
-from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
+from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span, value_block_program
 from kda_ops.kernels.chunk.planning import dot_block, scan_plan, scan_warps
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.launches import KernelLaunch
@@ -35,8 +36,8 @@ def chunk_recurrence_kernel(
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_n, i_hv, i_nh = scan_program(first_head + tl.program_id(1), sequence_order, HV, IS_VARLEN)
+    i_v, i_rank = value_block_program(WIDTH, BV)
+    i_n, i_hv, i_nh = scan_program(first_head + i_rank, sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
                                              STEP)  # fmt: skip
     # Chunk states are the states at 64-token chunk starts, every STEPS_A_CHUNK-th step.
@@ -122,7 +123,7 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
     writes = tuple(name for name, tensor in written.items() if tensor is not None)
     return [
-        KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v), heads), dict(
+        KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v) * heads,), dict(
             w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
             state_chunks=state_chunks, sequence_order=sequence_order, length=length,

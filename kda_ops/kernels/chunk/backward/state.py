@@ -1,6 +1,6 @@
-"""Kernel 2 of the backward, ``chunk_bwd_state_kernel`` (head-parallel, grid: value blocks ×
-sequences × heads), and its launch. Walks the chunks backwards carrying dS (fp32,
-K × V in registers): ``dv_new = Aqkᵀ dO + kd dS'``,
+"""Kernel 2 of the backward, ``chunk_bwd_state_kernel`` (head-parallel, a program a value
+block of a sequence-head, ``value_block_program``), and its launch. Walks the chunks
+backwards carrying dS (fp32, K × V in registers): ``dv_new = Aqkᵀ dO + kd dS'``,
 ``dS = diag(Γ_C) dS' + qgᵀ dO - wᵀ dv_new``. Stores dv_new (fp32), dS' of every chunk
 (q's dtype, at the chunk's global number) and dS of the first chunk (the initial state's
 gradient). It never needs S itself. A head-parallel scan as the forward's recurrence, it
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kda_ops.kernels.chunk.backward.layout import Layout
-from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span
+from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span, value_block_program
 from kda_ops.kernels.chunk.planning import scan_plan
 from kda_ops.kernels.sizes import cdiv
 from kda_ops.reference import longest_first
@@ -32,8 +32,8 @@ def chunk_bwd_state_kernel(
     block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (``[n_chunks, HV, K, V]``
     in its buffer's dtype: the gradient of the state leaving each chunk) and, with
     ``HAS_INITIAL_STATE``, the initial state's gradient (fp32 ``[N, HV, K, V]``)."""
-    i_v = tl.program_id(0)
-    i_n, i_hv, i_nh = scan_program(first_head + tl.program_id(1), sequence_order, HV, IS_VARLEN)
+    i_v, i_rank = value_block_program(V, BV)
+    i_n, i_hv, i_nh = scan_program(first_head + i_rank, sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -107,7 +107,7 @@ def launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seq
                          run_ahead=False)  # fmt: skip
     order = None if cu_seqlens is None else longest_first(cu_seqlens)
     for first_head, heads, columns, stages in launches:
-        chunk_bwd_state_kernel[(cdiv(head_v, columns), heads)](
+        chunk_bwd_state_kernel[(cdiv(head_v, columns) * heads,)](
             w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, offsets, order,
             length, first_head, dv_new, dstates, d_initial,
             HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=CHUNK,

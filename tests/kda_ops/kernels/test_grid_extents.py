@@ -1,0 +1,70 @@
+"""Grids stay launchable for batches of many sequences: a CUDA grid's second and third
+extents stop at 65535, and 2048 packed sequences at 32 value heads make 65536
+sequence-heads. Planned on the meta device (shapes only, nothing runs)."""
+
+import pytest
+import torch
+
+from kda_ops.kernels.chunk.backward import state
+from kda_ops.kernels.chunk.backward.layout import plan_layout
+from kda_ops.kernels.chunk.launch import chunk_plan
+from kda_ops.kernels.recurrent import recurrent_launch
+
+GRID_LIMIT = 65535  # CUDA's gridDim.y and gridDim.z
+SEQUENCES, VALUE_HEADS, DIM = 2048, 32, 16
+
+
+@pytest.fixture
+def packed():
+    """Inputs of 2048 two-token sequences at 32 heads (meta tensors) and their offsets."""
+    length = 2 * SEQUENCES
+    q, k, v, g = (torch.empty(1, length, VALUE_HEADS, DIM, device="meta") for _ in range(4))
+    beta = torch.empty(1, length, VALUE_HEADS, device="meta")
+    gate = (torch.empty(VALUE_HEADS, device="meta"), torch.empty(VALUE_HEADS * DIM, device="meta"))
+    cu_seqlens = torch.arange(0, length + 1, 2, device="meta", dtype=torch.int32)
+    return (q, k, v, g, beta, *gate), cu_seqlens
+
+
+def assert_launchable(grid):
+    assert all(extent <= GRID_LIMIT for extent in grid[1:]), grid
+
+
+def test_chunk_forward(packed):
+    inputs, cu_seqlens = packed
+    plan = chunk_plan(*inputs, None, cu_seqlens, DIM**-0.5, -5.0, True, True)
+    for launch in plan.launches:
+        assert_launchable(launch.grid)
+
+
+def test_recurrent(packed):
+    inputs, cu_seqlens = packed
+    states = torch.empty(SEQUENCES, VALUE_HEADS, DIM, DIM, device="meta")
+    launch = recurrent_launch(*inputs, states, states, None, cu_seqlens, DIM**-0.5, -5.0,
+                              True, True)  # fmt: skip
+    assert_launchable(launch.grid)
+
+
+class RecordedKernel:
+    """Stands in for a Triton kernel: records the grids it is launched with."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_backward_state_scan(packed, monkeypatch):
+    (q, _, v, g, _, A_log, dt_bias), cu_seqlens = packed
+    kernel = RecordedKernel()
+    monkeypatch.setattr(state, "chunk_bwd_state_kernel", kernel)
+    layout = plan_layout(q, v, g, A_log, dt_bias, cu_seqlens, -5.0, True, True)
+    tiles = torch.empty(layout.n_chunks, VALUE_HEADS, 64, 64, device="meta")
+    states = torch.empty(SEQUENCES, VALUE_HEADS, DIM, DIM, device="meta")
+    chunk_states = torch.empty(layout.n_chunks, VALUE_HEADS, DIM, DIM, device="meta")
+    state.launch_state_scan(q, q, q, q, tiles, q, v, states, cu_seqlens, q.shape[1], layout,
+                            torch.empty_like(v), chunk_states, states)  # fmt: skip
+    assert kernel.grids
+    for grid in kernel.grids:
+        assert_launchable(grid)
