@@ -52,13 +52,19 @@ def variants(tree: str | None = None) -> dict[str, tuple]:
 
 def compile_cubin(module: str, kernel_name: str, constexprs: dict, *extra) -> tuple[bytes, int]:
     """(cubin, shared bytes) of a variant compiled for sm_90 (arguments as the compile
-    test's table gives them: argument types and launch options, then the default types)."""
+    test's table gives them: argument types and launch options, then the default types;
+    pointers unnamed there are bf16). Call it in a process without ``TRITON_INTERPRET``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     *specific, default_types = extra
     kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
+    # A constexpr left out would compile as a pointer argument, a variant never launched.
+    missing = [kernel.arg_names[i] for i in kernel.constexprs
+               if kernel.arg_names[i] not in constexprs]  # fmt: skip
+    if missing:
+        raise ValueError(f"{kernel_name}: constexprs not given: {missing}")
     types = {**default_types, **(specific[0] if specific else {})}
     options = {"num_warps": 4, **(specific[1] if len(specific) > 1 else {})}
     signature, attrs = {}, {}
@@ -67,7 +73,7 @@ def compile_cubin(module: str, kernel_name: str, constexprs: dict, *extra) -> tu
             signature[arg] = "constexpr"
             continue
         signature[arg] = types.get(arg, "*bf16")
-        if signature[arg].startswith("*"):
+        if signature[arg].startswith("*"):  # aligned like every tensor a launcher passes
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, attrs=attrs, constexprs={
         (kernel.arg_names.index(name),): value for name, value in constexprs.items()})  # fmt: skip

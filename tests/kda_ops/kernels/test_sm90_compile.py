@@ -366,35 +366,18 @@ def wide_variants() -> dict[str, tuple]:
 WIDE = {f"wide/{name}": spec for name, spec in wide_variants().items()}
 VARIANTS.update(WIDE)
 
+# Each variant compiled by ``tools/sass_report.py`` (its ``compile_cubin``), in workers of
+# a process without the interpreter.
 SCRIPT = """
-import importlib, json, multiprocessing, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, multiprocessing, sys
+sys.path.insert(0, "tools")
+from sass_report import compile_cubin
 
 def compile_variant(item):
-    name, (module, kernel_name, constexprs, *extra) = item
-    kernel = getattr(importlib.import_module(f"kda_ops.kernels.{module}"), kernel_name)
-    # A constexpr left out would compile as a pointer argument, a variant never launched.
-    missing = [kernel.arg_names[i] for i in kernel.constexprs
-               if kernel.arg_names[i] not in constexprs]
-    if missing:
-        return name, {"error": f"constexprs not given: {missing}"}
-    types = {**arg_types, **(extra[0] if extra else {})}
-    options = {"num_warps": 4, **(extra[1] if len(extra) > 1 else {})}
-    signature, attrs = {}, {}
-    for index, arg in enumerate(kernel.arg_names):
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-            continue
-        signature[arg] = types.get(arg, "*bf16")
-        if signature[arg].startswith("*"):  # aligned like every tensor a launcher passes
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, attrs=attrs, constexprs={
-        (kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    name, spec = item
     try:
-        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-        return name, {"error": None, "shared": binary.metadata.shared}
+        _, shared = compile_cubin(*spec, arg_types)
+        return name, {"error": None, "shared": shared}
     except Exception as error:
         return name, {"error": f"{type(error).__name__}: {error}"}
 

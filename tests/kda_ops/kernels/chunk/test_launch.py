@@ -73,24 +73,20 @@ def test_dense_and_dyadic_chunks_in_one_call():
     assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
 
 
-def test_varlen_gva_and_padded_head_dims():
-    cu_seqlens = torch.tensor([0, 1, 70, 150], device=DEVICE, dtype=torch.int32)
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        [0, 1, 70, 150],
+        # empty sequences (a server's idle slots) before, between and after others: each
+        # keeps its initial state as its final state
+        [0, 0, 40, 40, 40, 110, 110],
+    ],
+)
+def test_varlen_gva_and_padded_head_dims(bounds):
+    cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
     (o, state), (o_ref, state_ref) = run(
-        "safe_gate", cu_seqlens=cu_seqlens, length=150, n_seqs=3, heads=1, value_heads=2,
-        head_k=8, head_v=24,
-    )  # fmt: skip
-    torch.testing.assert_close(o, o_ref.float())
-    torch.testing.assert_close(state, state_ref)
-
-
-def test_varlen_with_empty_sequences():
-    """Empty sequences (repeated offsets: a server's idle slots) before, between and after
-    others: each keeps its initial state as its final state, and the others' outputs and
-    states are as if alone."""
-    cu_seqlens = torch.tensor([0, 0, 40, 40, 40, 110, 110], device=DEVICE, dtype=torch.int32)
-    (o, state), (o_ref, state_ref) = run(
-        "safe_gate", cu_seqlens=cu_seqlens, length=110, n_seqs=6, heads=1, value_heads=2,
-        head_k=16, head_v=16,
+        "safe_gate", cu_seqlens=cu_seqlens, length=bounds[-1], n_seqs=len(bounds) - 1,
+        heads=1, value_heads=2, head_k=8, head_v=24,
     )  # fmt: skip
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(state, state_ref)
