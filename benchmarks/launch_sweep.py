@@ -136,8 +136,8 @@ def sweep_state(x: Inputs):
     grad_final = torch.zeros(1, x.heads, DIM, DIM, device="cuda")
     dv_new = torch.empty(1, x.length, x.heads, DIM, device="cuda")
     dstates = torch.empty(x.chunks, x.heads, DIM, DIM, device="cuda", dtype=torch.bfloat16)
-    # 16 columns: slower than 32 at every warp and stage count (H = 96: 1142 µs at best); at
-    # 4 warps and 3 stages the launch faulted (an illegal address, Triton 3.6).
+    # 16 columns left out: slower than 32 at every warp and stage count tried, and at 4
+    # warps and 3 stages the launch faulted (an illegal address, Triton 3.6).
     for columns, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
         grid = (DIM // columns * x.heads,)
         yield f"dS scan, {columns} value columns, {warps} warps, {stages} stages", partial(

@@ -314,12 +314,13 @@ def chunk_offsets(cu_seqlens: Tensor, chunk_size: int = CHUNK_SIZE) -> Tensor:
 
 
 def longest_first(cu_seqlens: Tensor) -> Tensor:
-    """int32 ``[N]``: the packed sequences' numbers, longest first (equal lengths in
+    """int64 ``[N]``: the packed sequences' numbers, longest first (equal lengths in
     order). The head-parallel scans take their sequences in this order: a GPU starts a
     grid's programs in order, and a long sequence's scan started last would run on alone
-    after the short ones are done. On cu_seqlens' device, no host sync."""
+    after the short ones are done. On cu_seqlens' device, no host sync; argsort's own
+    dtype, which the kernels read as it is (a cast would be one more launch a scan)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    return torch.argsort(lengths, descending=True, stable=True)
 
 
 def chunk_state_rows(
