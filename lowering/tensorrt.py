@@ -39,6 +39,7 @@ from kda_ops.kernels.chunk.device import BLOCK
 from kda_ops.kernels.chunk.planning import prepare_warps, scan_stages, uses_safe_gate
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
+from kda_ops.kernels.conv.device import token_grid
 from kda_ops.kernels.conv.forward import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
 from kda_ops.kernels.gated_norm import gated_rms_norm_kernel
@@ -310,11 +311,7 @@ PLUGINS: dict[str, PluginKernel] = {
         outputs=("y",),
         absent=("state_indices", "cu_seqlens", "state_out"),
         constexprs=_conv_constexprs,
-        grid=lambda s, c: (
-            cdiv(s["x"][1], c["BT"]),
-            cdiv(c["D"], c["BD"]),
-            s["x"][0],
-        ),
+        grid=lambda s, c: (*token_grid(s["x"][0], s["x"][1], c["D"], c["BT"], c["BD"]), 1, 1),
     ),
     "causal_conv1d_state": PluginKernel(
         name="causal_conv1d_state",

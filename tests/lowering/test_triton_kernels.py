@@ -177,7 +177,7 @@ def test_conv_prefill_becomes_its_kernel_writing_the_final_state(length):
     assert sorted(node.kwargs["tensors_to_clone"]) == ["state_out", "y"]
     assert arguments["FINAL_STATE"] is True and arguments["state"].op == "placeholder"
     assert arguments["state_out"].meta["val"].dtype == torch.float32  # the state's dtype
-    assert node.kwargs["grid"] == [(1, 1, 3)]
+    assert node.kwargs["grid"] == [(3, 1, 1)]  # 3 rows of one token and channel block
 
 
 def test_conv_prefill_with_a_longer_state_stays_the_op():

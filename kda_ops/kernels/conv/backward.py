@@ -22,6 +22,8 @@ from kda_ops.kernels.conv.device import (
     tap_weight,
     tile_sizes,
     token_block,
+    token_grid,
+    token_program,
     window_input,
 )
 from kda_ops.kernels.fast_exp import fast_sigmoid
@@ -99,7 +101,8 @@ def conv_grad_z_kernel(
             shares += head_shares
             dbias += head_dbias
             i_n += 1
-    part = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    i_t, _, i_b = token_program(length, D, BT, BD)
+    part = i_b * tl.cdiv(length, BT) + i_t
     taps = tl.arange(0, BW)
     tl.store(dweight_parts + (part * D + cols[:, None]) * BW + taps[None, :], shares,
              mask=mask_d[:, None])  # fmt: skip
@@ -193,8 +196,8 @@ def launch_causal_conv1d_backward(
     n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_t, block_d = tile_sizes(BACKWARD_ROWS, length, channels)
     block_w = next_power_of_2(width)
-    grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
-    programs = grid[0] * grid[2]
+    grid = token_grid(batch, length, channels, block_t, block_d)
+    programs = cdiv(length, block_t) * batch  # the programs of a channel block
     grad_z = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     dweight_parts = torch.empty(programs, channels, block_w, device=x.device,
                                 dtype=torch.float32)  # fmt: skip

@@ -9,16 +9,30 @@ and extent. Shared so that the backward recomputes z exactly as the prefill comp
 import triton
 import triton.language as tl
 
-from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.kernels.sizes import cdiv, next_power_of_2
+
+
+@triton.jit
+def token_program(length, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """(token block, channel block, batch row) of a token-parallel program of the
+    one-dimensional grid :func:`token_grid` plans: token blocks fastest, then channel
+    blocks, then rows, a three-dimensional grid's order. One axis, because a grid's second
+    and third extents stop at 65535 (a batch of 65536 rows would not launch)."""
+    pid = tl.program_id(0)
+    token_blocks = tl.cdiv(length, BT)
+    channel_blocks: tl.constexpr = (D + BD - 1) // BD
+    i_t = pid % token_blocks
+    rest = pid // token_blocks
+    return i_t, rest % channel_blocks, rest // channel_blocks
 
 
 @triton.jit
 def token_block(cu_seqlens, n_seqs, length, D: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
-    """This program's tile, the program being (token block, channel block, batch): its
-    channels and their mask ([BD]), and per row ([BT]) the token's global index (int64),
-    sequence id, the sequence's first token (int64) and whether the row is a token."""
-    i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """This program's tile (:func:`token_program`): its channels and their mask ([BD]),
+    and per row ([BT]) the token's global index (int64), sequence id, the sequence's first
+    token (int64) and whether the row is a token."""
+    i_t, i_d, i_b = token_program(length, D, BT, BD)
     rows = i_t * BT + tl.arange(0, BT)
     cols = i_d * BD + tl.arange(0, BD)
     if IS_VARLEN:
@@ -121,6 +135,16 @@ def sequence_extent(cu_seqlens, i_n, length, IS_VARLEN: tl.constexpr):
         bos = i_n.to(tl.int64) * length
         span = i_n.to(tl.int64) * 0 + length
     return bos, span
+
+
+def token_grid(batch: int, length: int, channels: int, block_t: int,
+               block_d: int) -> tuple[int]:  # fmt: skip
+    """The grid of a token-parallel conv kernel (:func:`token_program`): every (token block,
+    channel block, batch row) on one axis. Sizes may be symbolic: a traced graph's, or
+    TensorRT's shape expressions (``lowering/tensorrt.py``), hence only ``+ * //`` with the
+    symbolic operand first."""
+    token_blocks = (length + (block_t - 1)) // block_t
+    return (token_blocks * batch * cdiv(channels, block_d),)
 
 
 def tile_sizes(rows: int, length: int, channels: int) -> tuple[int, int]:

@@ -25,6 +25,8 @@ from kda_ops.kernels.conv.device import (
     state_slot,
     tile_sizes,
     token_block,
+    token_grid,
+    token_program,
 )
 from kda_ops.kernels.conv.step import step_launch
 from kda_ops.kernels.fast_exp import fast_sigmoid
@@ -77,7 +79,7 @@ def causal_conv1d_kernel(
             _write_output(y, h_z, bias, h_tokens, h_valid, cols, mask_d, D, HAS_BIAS, SILU)
             i_n += 1
     if FINAL_STATE:
-        i_t, i_b = tl.program_id(0), tl.program_id(2)
+        i_t, _, i_b = token_program(length, D, BT, BD)
         if i_t == tl.cdiv(length, BT) - 1:  # the batch row's last token block
             _write_final_state(x, state, state_indices, cu_seqlens, length, state_out, i_b,
                                cols, D, W, BW, HAS_STATE, USE_INDICES, False)  # fmt: skip
@@ -181,7 +183,7 @@ def prefill_plan(
     y = torch.empty_like(x)
     planned_length = length if isinstance(length, int) else PREFILL_ROWS
     block_t, block_d = tile_sizes(PREFILL_ROWS, planned_length, channels)
-    grid = (cdiv(length, block_t), cdiv(channels, block_d), batch)
+    grid = token_grid(batch, length, channels, block_t, block_d)
     flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None,
                  IS_VARLEN=cu_seqlens is not None)  # fmt: skip
     kept = next_power_of_2(width - 1)

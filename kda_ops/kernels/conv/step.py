@@ -19,6 +19,15 @@ from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
 
 
 @triton.jit
+def _step_program(CHANNEL_BLOCKS: tl.constexpr):
+    """(channel block, sequence block) of a step program: a one-dimensional grid, the
+    channel blocks of a sequence block consecutive, because a grid's second extent stops
+    at 65535 (a decode batch of 65536 sequences would not launch)."""
+    pid = tl.program_id(0)
+    return pid % CHANNEL_BLOCKS, pid // CHANNEL_BLOCKS
+
+
+@triton.jit
 def conv_step_kernel(
     x, weight, bias, state_in, state_indices, y, state_out,
     D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
@@ -29,7 +38,7 @@ def conv_step_kernel(
     in transformers' and Mamba's): the row is the S kept inputs, then x, and the window
     its last W entries. Reads the state once, writes y and the row's last S entries as the
     new state. Each program owns its channels of one slot, so state_out may be state_in."""
-    i_d, i_n = tl.program_id(0), tl.program_id(1)
+    i_d, i_n = _step_program((D + BD - 1) // BD)
     cols = i_d * BD + tl.arange(0, BD)
     taps = tl.arange(0, BW)
     mask_d = cols < D
@@ -142,7 +151,7 @@ def conv_step_w4_kernel(
     * NB)``, which share the weights it loads once; a slot's base is the only 64-bit
     product, offsets inside it are int32.
     """
-    i_d, i_p = tl.program_id(0), tl.program_id(1)
+    i_d, i_p = _step_program((D // 8 + BG - 1) // BG)
     groups = i_d * BG + tl.arange(0, BG)
     lanes = tl.arange(0, 8)
     cols = groups[:, None] * 8 + lanes[None, :]  # [BG, 8] channels
@@ -236,9 +245,9 @@ def step_launch(
         # A symbolic batch (a graph traced for any batch) keeps a sequence a program.
         per_program = (step_sequences_per_program(programs, processors(x.device))
                        if isinstance(batch, int) else 1)  # fmt: skip
-        grid = (cdiv(channels // 8, groups), cdiv(batch, per_program))
+        grid = (cdiv(channels // 8, groups) * cdiv(batch, per_program),)
         args.update(batch=batch, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)))
         return KernelLaunch(conv_step_w4_kernel, grid, args, writes)
     block_d = min(512, next_power_of_2(channels))
     args.update(W=width, S=kept, BD=block_d, BW=next_power_of_2(kept + 1))
-    return KernelLaunch(conv_step_kernel, (cdiv(channels, block_d), batch), args, writes)
+    return KernelLaunch(conv_step_kernel, (cdiv(channels, block_d) * batch,), args, writes)
