@@ -31,6 +31,7 @@ import kda_ops
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from kda_ops.kernels.chunk.segments import recurrence_segments
 from kda_ops.segmented import plan_segments
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 DEVICE = "cuda"
 IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
@@ -87,9 +88,8 @@ def run(length: int, split: int, heads: int, dim: int, segment_counts: list[int]
 
 def kernel_args(long: dict, dim: int) -> tuple:
     """``launch_chunk_kda``'s positional arguments for the long sequence."""
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
-    return (*(long[n] for n in names), None, None, dim**-0.5, IN_KERNEL["lower_bound"], True,
-            True)  # fmt: skip
+    inputs = DeltaRuleInputs(*(long[name] for name in DeltaRuleInputs._fields))
+    return inputs, None, None, DeltaRuleOptions(dim**-0.5, IN_KERNEL["lower_bound"], True, True)
 
 
 def first_heads(x: dict, heads: int, dim: int) -> dict:

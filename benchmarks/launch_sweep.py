@@ -30,6 +30,7 @@ from kda_ops.kernels.chunk.backward.wy import chunk_bwd_wy_kernel
 from kda_ops.kernels.chunk.device import CHUNK
 from kda_ops.kernels.chunk.planning import prepare_flags
 from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 DIM = 128
 
@@ -48,8 +49,9 @@ class Inputs:
         x = kda_inputs(1, length, heads, DIM)
         self.q, self.k, self.g, self.beta = x["q"], x["k"], x["g"], x["beta"]
         self.A_log, self.dt_bias = x["A_log"], x["dt_bias"]
-        self.flags = prepare_flags(self.q, self.g, self.A_log, self.dt_bias, None, LOWER_BOUND,
-                                   True, True)  # fmt: skip
+        inputs = DeltaRuleInputs(*(x[name] for name in DeltaRuleInputs._fields))
+        options = DeltaRuleOptions(DIM**-0.5, LOWER_BOUND, True, True)
+        self.flags = prepare_flags(inputs, None, options)
 
     def f32(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, device="cuda") * scale

@@ -344,7 +344,7 @@ if kernels.AVAILABLE:
 
     @cuda_kernel(chunk_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
-        return launch_chunk_kda(*inputs, initial_state, cu_seqlens, *options)
+        return launch_chunk_kda(inputs, initial_state, cu_seqlens, options)
 
     @cuda_kernel(chunk_states_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
@@ -353,40 +353,40 @@ if kernels.AVAILABLE:
         # Packed sequences leave rows past the last chunk unwritten: zero them.
         alloc = torch.empty if cu_seqlens is None else torch.zeros
         chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
-        o, final = launch_chunk_kda(*inputs, initial_state, cu_seqlens, *options,
+        o, final = launch_chunk_kda(inputs, initial_state, cu_seqlens, options,
                                     chunk_states=chunk_states)  # fmt: skip
         return o, final, chunk_states
 
     @cuda_kernel(delta_rule_backward_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options):
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
-        return launch_chunk_kda_backward(*inputs, initial_state, cu_seqlens, grad_o,
-                                         grad_final_state, *options)  # fmt: skip
+        return launch_chunk_kda_backward(inputs, initial_state, cu_seqlens, grad_o,
+                                         grad_final_state, options)  # fmt: skip
 
     @cuda_kernel(chunk_train_op, runs=_keeps_saved)
     def _(inputs, initial_state, cu_seqlens, options, keep_rows):
         o, final_state, saved = launch_chunk_kda_training(
-            *inputs, initial_state, cu_seqlens, *options, keep_rows=keep_rows
+            inputs, initial_state, cu_seqlens, options, keep_rows=keep_rows
         )
         return o, final_state, list(saved)
 
     @cuda_kernel(chunk_backward_op, chunk_backward_scratch_op, runs=_keeps_saved)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, saved, options):
         # The launch overwrites saved exactly when it holds the rows (kda::chunk_backward_).
-        return launch_chunk_kda_backward(*inputs, initial_state, cu_seqlens, grad_o,
-                                         grad_final_state, *options, saved=saved)  # fmt: skip
+        return launch_chunk_kda_backward(inputs, initial_state, cu_seqlens, grad_o,
+                                         grad_final_state, options, saved=saved)  # fmt: skip
 
     @cuda_kernel(recurrent_op, runs=recurrent_kernel_runs)
     def _(inputs, initial_state, cu_seqlens, options):
         q, v = inputs.q, inputs.v
         state = arguments.new_final_state(q, v, cu_seqlens)
-        o = launch_recurrent_kda(*inputs, initial_state, state, None, cu_seqlens, *options)
+        o = launch_recurrent_kda(inputs, initial_state, state, None, cu_seqlens, options)
         return o, state
 
     @cuda_kernel(recurrent_inplace_op, runs=recurrent_kernel_runs)
     def _(inputs, state_pool, state_indices, cu_seqlens, options):
-        return launch_recurrent_kda(*inputs, state_pool, state_pool, state_indices, cu_seqlens,
-                                    *options)  # fmt: skip
+        return launch_recurrent_kda(inputs, state_pool, state_pool, state_indices, cu_seqlens,
+                                    options)  # fmt: skip
 
 
 def _differentiated(tensors: tuple[Optional[Tensor], ...]) -> bool:

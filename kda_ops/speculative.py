@@ -89,7 +89,7 @@ if kernels.AVAILABLE:
         """One launch of the recurrent kernel: reads the pool slots, writes the state
         after every draft token (and no final state)."""
         states = _step_states_like(inputs, state_pool)
-        o = launch_recurrent_kda(*inputs, state_pool, None, state_indices, None, *options,
+        o = launch_recurrent_kda(inputs, state_pool, None, state_indices, None, options,
                                  step_states=states)  # fmt: skip
         return o, states
 

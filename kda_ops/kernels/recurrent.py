@@ -19,6 +19,7 @@ from kda_ops.kernels.chunk.device import L2NORM_EPS, value_block_program
 from kda_ops.kernels.gate import gate_activation, gate_parameters
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 @triton.jit
@@ -113,21 +114,12 @@ def is_v_first(state: Optional[Tensor]) -> bool:
 
 
 def recurrent_launch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     state_in: Optional[Tensor],
     state_out: Optional[Tensor],
     state_indices: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     step_states: Optional[Tensor] = None,
 ) -> KernelLaunch:
     """The recurrence's launch, writing a new o (``args["o"]``, ``[B, T, HV, V]`` in v's
@@ -136,7 +128,8 @@ def recurrent_launch(
     ``[P, HV, V, K]``) and, when given, the state after every token into ``step_states``
     (contiguous ``[B, T, HV, K, V]``, fixed length only). Shapes as in
     ``kda_ops.delta_rule``."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
+    scale, lower_bound, use_qk_l2norm, use_beta_sigmoid = options
     if state_in is not None and state_in is not state_out and not is_v_first(state_in):
         state_in = state_in.contiguous()
     batch, length, heads, head_k = q.shape

@@ -47,7 +47,7 @@ import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import arguments, kernels
 from kda_ops.delta_rule import chunk_kernels_run
 from kda_ops.kernels.launches import LaunchPlan
-from kda_ops.signature import DeltaRuleInputs
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -88,12 +88,17 @@ def _conv_prefill_fits(args: Arguments) -> bool:
     return _on_kernels(args) and (state is None or state.shape[-1] == kept)
 
 
+def _grouped(args: Arguments, kind: type) -> Any:
+    """The op's arguments of a ``kda_ops.signature`` type's fields, as that type."""
+    return kind(*(args[name] for name in kind._fields))
+
+
 def _chunk_fits(args: Arguments) -> bool:
     """Shapes the chunk kernels serve, in one serial scan per sequence: static shapes the op
     would run in segments keep the op (``recurrence_segments``)."""
     from kda_ops.kernels.chunk.segments import recurrence_segments
 
-    inputs = DeltaRuleInputs(*(args[name] for name in DeltaRuleInputs._fields))
+    inputs = _grouped(args, DeltaRuleInputs)
     if not (_on_kernels(args) and chunk_kernels_run(inputs)):
         return False
     batch, length, value_heads, head_v = inputs.v.shape
@@ -143,19 +148,16 @@ def _conv_prefill_plan(args: Arguments) -> LaunchPlan:
 def _chunk_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.chunk.launch import chunk_plan
 
-    names = (*DeltaRuleInputs._fields, "initial_state", "cu_seqlens", "scale", "lower_bound",
-             "use_qk_l2norm", "use_beta_sigmoid")  # fmt: skip
-    return chunk_plan(*(args[name] for name in names))
+    return chunk_plan(_grouped(args, DeltaRuleInputs), args["initial_state"], args["cu_seqlens"],
+                      _grouped(args, DeltaRuleOptions))  # fmt: skip
 
 
 def _recurrent_plan(args: Arguments, state_in: Optional[Tensor], state_out: Tensor) -> LaunchPlan:
     from kda_ops.kernels.recurrent import recurrent_launch
 
-    return recurrent_launch(
-        args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"],
-        args["dt_bias"], state_in, state_out, args.get("state_indices"), args["cu_seqlens"],
-        args["scale"], args["lower_bound"], args["use_qk_l2norm"], args["use_beta_sigmoid"],
-    ).plan()  # fmt: skip
+    return recurrent_launch(_grouped(args, DeltaRuleInputs), state_in, state_out,
+                            args.get("state_indices"), args["cu_seqlens"],
+                            _grouped(args, DeltaRuleOptions)).plan()  # fmt: skip
 
 
 def _recurrent_functional_plan(args: Arguments) -> LaunchPlan:

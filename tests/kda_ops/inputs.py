@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kda_ops import signature
+
 
 @dataclass
 class DeltaRuleInputs:
@@ -65,3 +67,11 @@ def delta_rule_inputs(
         t = t.to(fp32_or_fp64 if name in ("A_log", "dt_bias", "initial_state") else dtype)
         setattr(tensors, name, t.requires_grad_(requires_grad))
     return tensors
+
+
+def grouped(*args: object) -> tuple:
+    """Arguments in an op's flat order (the seven input tensors, what lies between, the four
+    options) grouped as the kernel launchers take them: ``(signature.DeltaRuleInputs, ...,
+    signature.DeltaRuleOptions)``."""
+    return (signature.DeltaRuleInputs(*args[:7]), *args[7:-4],
+            signature.DeltaRuleOptions(*args[-4:]))  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 
 import kda_ops
 from kda_ops import reference
+from tests.kda_ops.inputs import grouped
 from tests.kda_ops.kernels.devices import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -177,7 +178,7 @@ def test_chunk_recurrence_in_segments_against_float64_reference(segments):
         **float64(x), initial_state=state.double(), scale=128**-0.5, **kwargs
     )
     for count in (1, segments):
-        o, final = launch_chunk_kda(*args, segments=count)
+        o, final = launch_chunk_kda(*grouped(*args), segments=count)
         assert relative_error(o, o_ref) < 5e-3, count
         assert relative_error(final, final_ref) < 5e-3, count
 

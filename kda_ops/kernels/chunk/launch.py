@@ -23,22 +23,14 @@ from kda_ops.kernels.launches import KernelLaunch, LaunchPlan
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 def chunk_plan(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
 ) -> LaunchPlan:
@@ -46,38 +38,28 @@ def chunk_plan(
     the prepare kernel's, then :func:`recurrence_launches`. Results ``"o"`` and
     ``"final_state"``; :func:`launch_chunk_kda` says what they hold and what the arguments
     are. Plans from symbolic shapes too (a traced graph)."""
-    launches, intermediates, chunk_offsets, precision = _prepare_launches(
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, use_qk_l2norm,
-        use_beta_sigmoid,
-    )  # fmt: skip
-    o, final_state, initial_state = _outputs(q, v, initial_state, cu_seqlens, output)
+    launches, intermediates, chunk_offsets, precision = _prepare_launches(inputs, cu_seqlens,
+                                                                          options)  # fmt: skip
+    o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
     launches += recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
-                                    q.shape[1], o, final_state, chunk_states,
+                                    inputs.q.shape[1], o, final_state, chunk_states,
                                     precision)  # fmt: skip
     return LaunchPlan(tuple(launches), {"o": o, "final_state": final_state})
 
 
 def launch_chunk_kda(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
     segments: Optional[int] = None,
 ) -> tuple[Optional[Tensor], Tensor]:
     """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
     ``output=False``, which skips the output products) and the fp32 final state.
-    Shapes as in ``kda_ops.delta_rule``; inputs in one dtype of fp16 / bf16 / fp32.
+    Arguments as the ``kda::chunk`` op takes them (``kda_ops.signature``); inputs in one
+    dtype of fp16 / bf16 / fp32.
 
     ``chunk_states``: optional contiguous output ``[R, HV, K, V]`` (fp32, or the dot dtype
     where the backward reads them) with
@@ -89,32 +71,30 @@ def launch_chunk_kda(
     ``segments``: how many segments the recurrence of each sequence runs in
     (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
     lets :func:`recurrence_segments` choose from the shapes."""
-    batch, length, value_heads, head_v = v.shape
+    batch, length, value_heads, head_v = inputs.v.shape
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, q.device)
-    options = (scale, lower_bound, use_qk_l2norm, use_beta_sigmoid)
+        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens,
+                                       inputs.q.device)  # fmt: skip
     if segments == 1:
-        results = chunk_plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                             *options, chunk_states, output).run()  # fmt: skip
+        results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
+                             output).run()  # fmt: skip
         return results["o"], results["final_state"]
-    launches, intermediates, _, precision = _prepare_launches(
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, *options
-    )
+    launches, intermediates, _, precision = _prepare_launches(inputs, cu_seqlens, options)
     for launch in launches:
         launch.run()
-    o, final_state, initial_state = _outputs(q, v, initial_state, cu_seqlens, output)
+    o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
     segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
                          final_state, chunk_states, precision)  # fmt: skip
     return o, final_state
 
 
-def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                      use_qk_l2norm, use_beta_sigmoid):  # fmt: skip
+def _prepare_launches(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
+                      options: DeltaRuleOptions):  # fmt: skip
     """The prepare kernel's launches (once with the safe gate, else its bounded and
     unbounded ones), the intermediates they write ``(w, u, qg, kd, aqk, chunk_decay)``,
     the chunks' offsets of packed sequences (``None`` at fixed length) and the dot
     precision."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
     chunk = FORWARD_CHUNK
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
@@ -127,8 +107,7 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     # An upper bound with packed sequences (no host sync); programs past the end exit.
     n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, chunk)
     block_k, block_v = dot_block(head_k), dot_block(head_v)
-    flags = prepare_flags(q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
-                          use_beta_sigmoid)  # fmt: skip
+    flags = prepare_flags(inputs, cu_seqlens, options)
     tokens_shape = (batch, length, value_heads)
     chunk_decay = torch.empty(n_chunks, value_heads, head_k, device=q.device, dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
@@ -141,9 +120,10 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
         passes = ("bounded", "unbounded")
         unbounded = torch.empty(n_chunks, value_heads, device=q.device, dtype=torch.int8)
         writes += ("unbounded",)
+    lower_bound = options.lower_bound
     args = dict(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-        chunk_offsets=chunk_offsets, scale=scale,
+        chunk_offsets=chunk_offsets, scale=options.scale,
         lower_bound=0.0 if lower_bound is None else lower_bound, length=length, n_seqs=n_seqs,
         chunk_decay=chunk_decay, w=w, u=u, qg=qg, kd=kd, aqk=aqk, unbounded=unbounded,
         H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
@@ -157,12 +137,12 @@ def _prepare_launches(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower
     return launches, (w, u, qg, kd, aqk, chunk_decay), chunk_offsets, flags["DOT_PRECISION"]
 
 
-def _outputs(q, v, initial_state, cu_seqlens, output):
+def _outputs(inputs, initial_state, cu_seqlens, output):
     """(o or None, the fp32 final state, the initial state made contiguous)."""
-    o = torch.empty_like(v) if output else None
+    o = torch.empty_like(inputs.v) if output else None
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return o, arguments.new_final_state(q, v, cu_seqlens), initial_state
+    return o, arguments.new_final_state(inputs.q, inputs.v, cu_seqlens), initial_state
 
 
 def scan_chunks(

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from kda_ops import reference
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 def uses_safe_gate(lower_bound: Optional[float], has_gate: bool, dtype: torch.dtype) -> bool:
@@ -26,22 +27,17 @@ def uses_safe_gate(lower_bound: Optional[float], has_gate: bool, dtype: torch.dt
 
 
 def prepare_flags(
-    q: Tensor,
-    g: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor], options: DeltaRuleOptions
 ) -> dict[str, object]:
     """The constexpr flags the forward's and the backward's token-parallel kernels share.
     fp32 inputs get exact fp32 products; fp16 / bf16 use the tensor cores."""
+    q, lower_bound, has_gate = inputs.q, options.lower_bound, inputs.A_log is not None
     return dict(
-        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None and A_log is not None,
-        SAFE_GATE=uses_safe_gate(lower_bound, A_log is not None, q.dtype),
-        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
+        SCALAR_GATE=inputs.g.dim() == 3, USE_GATE=has_gate,
+        HAS_DT_BIAS=inputs.dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None and has_gate,
+        SAFE_GATE=uses_safe_gate(lower_bound, has_gate, q.dtype),
+        USE_L2NORM=options.use_qk_l2norm, USE_BETA_SIGMOID=options.use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -13,9 +13,11 @@ from kda_ops.kernels.conv import backward as conv_backward
 from kda_ops.kernels.conv.forward import prefill_plan
 from kda_ops.kernels.conv.step import step_launch
 from kda_ops.kernels.recurrent import recurrent_launch
+from tests.kda_ops.inputs import grouped
 
 GRID_LIMIT = 65535  # CUDA's gridDim.y and gridDim.z
 SEQUENCES, VALUE_HEADS, DIM = 2048, 32, 16
+OPTIONS = (DIM**-0.5, -5.0, True, True)  # scale, safe gate, l2norm and beta sigmoid
 CONV_ROWS, CHANNELS = GRID_LIMIT + 1, 64
 
 
@@ -36,7 +38,7 @@ def assert_launchable(grid):
 
 def test_chunk_forward(packed):
     inputs, cu_seqlens = packed
-    plan = chunk_plan(*inputs, None, cu_seqlens, DIM**-0.5, -5.0, True, True)
+    plan = chunk_plan(*grouped(*inputs, None, cu_seqlens, *OPTIONS))
     for launch in plan.launches:
         assert_launchable(launch.grid)
 
@@ -44,8 +46,7 @@ def test_chunk_forward(packed):
 def test_recurrent(packed):
     inputs, cu_seqlens = packed
     states = torch.empty(SEQUENCES, VALUE_HEADS, DIM, DIM, device="meta")
-    launch = recurrent_launch(*inputs, states, states, None, cu_seqlens, DIM**-0.5, -5.0,
-                              True, True)  # fmt: skip
+    launch = recurrent_launch(*grouped(*inputs, states, states, None, cu_seqlens, *OPTIONS))
     assert_launchable(launch.grid)
 
 
@@ -61,10 +62,11 @@ class RecordedKernel:
 
 
 def test_backward_state_scan(packed, monkeypatch):
-    (q, _, v, g, _, A_log, dt_bias), cu_seqlens = packed
+    inputs, cu_seqlens = packed
+    q, v = inputs[0], inputs[2]
     kernel = RecordedKernel()
     monkeypatch.setattr(state, "chunk_bwd_state_kernel", kernel)
-    layout = plan_layout(q, v, g, A_log, dt_bias, cu_seqlens, -5.0, True, True)
+    layout = plan_layout(*grouped(*inputs, cu_seqlens, *OPTIONS))
     tiles = torch.empty(layout.n_chunks, VALUE_HEADS, 64, 64, device="meta")
     states = torch.empty(SEQUENCES, VALUE_HEADS, DIM, DIM, device="meta")
     chunk_states = torch.empty(layout.n_chunks, VALUE_HEADS, DIM, DIM, device="meta")

@@ -19,6 +19,15 @@ def make(dtype, **shape):
     return x
 
 
+def tensors(x):
+    return DeltaRuleInputs(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias)
+
+
+def options(lower_bound):
+    return DeltaRuleOptions(scale=0.3, lower_bound=lower_bound, use_qk_l2norm=True,
+                            use_beta_sigmoid=True)  # fmt: skip
+
+
 def expected(x, cu_seqlens, lower_bound, initial_state):
     return reference.delta_rule(
         reference.recurrent_delta_rule, x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias,
@@ -34,10 +43,7 @@ def test_functional(dtype, scalar_gate, lower_bound, head_k, head_v):
     x = make(dtype, batch=2, length=5, heads=1, value_heads=2, head_k=head_k, head_v=head_v,
              scalar_gate=scalar_gate)  # fmt: skip
     state = torch.empty_like(x.initial_state)
-    o = launch_recurrent_kda(
-        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.initial_state, state, None, None,
-        0.3, lower_bound, True, True,
-    )  # fmt: skip
+    o = launch_recurrent_kda(tensors(x), x.initial_state, state, None, None, options(lower_bound))
     o_ref, state_ref = expected(x, None, lower_bound, x.initial_state)
     assert o.dtype == dtype
     assert relative_error(o, o_ref) < TOLERANCE[dtype]
@@ -48,10 +54,7 @@ def test_varlen_without_initial_state():
     x = make(torch.float32, length=9, n_seqs=3, head_k=16, head_v=8)
     cu_seqlens = torch.tensor([0, 1, 1, 9], device=DEVICE, dtype=torch.int32)
     state = torch.empty_like(x.initial_state)
-    o = launch_recurrent_kda(
-        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, None, state, None, cu_seqlens,
-        0.3, -5.0, True, True,
-    )  # fmt: skip
+    o = launch_recurrent_kda(tensors(x), None, state, None, cu_seqlens, options(-5.0))
     o_ref, state_ref = expected(x, cu_seqlens, -5.0, None)
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(state, state_ref)
@@ -62,10 +65,7 @@ def test_pool_in_place_leaves_other_slots_bit_identical():
     pool = torch.randn(6, 2, 16, 8, device=DEVICE)
     before = pool.clone()
     indices = torch.tensor([4, -1, 0], device=DEVICE)
-    o = launch_recurrent_kda(
-        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, pool, indices, None,
-        0.3, None, True, True,
-    )  # fmt: skip
+    o = launch_recurrent_kda(tensors(x), pool, pool, indices, None, options(None))
     start = torch.stack([before[4], torch.zeros_like(before[0]), before[0]])
     o_ref, state_ref = expected(x, None, None, start)
     torch.testing.assert_close(o, o_ref.float())
@@ -78,10 +78,7 @@ def test_bf16_pool_round_trip():
     pool = torch.randn(3, 2, 16, 8, device=DEVICE).bfloat16()
     start = torch.stack([pool[2].float(), pool[0].float()])
     indices = torch.tensor([2, 0], device=DEVICE)
-    o = launch_recurrent_kda(
-        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, pool, indices, None,
-        0.3, -5.0, True, True,
-    )  # fmt: skip
+    o = launch_recurrent_kda(tensors(x), pool, pool, indices, None, options(-5.0))
     o_ref, state_ref = expected(x, None, -5.0, start)
     torch.testing.assert_close(o, o_ref.float())
     torch.testing.assert_close(pool[[2, 0]], state_ref.bfloat16())
@@ -97,13 +94,9 @@ def test_step_states_for_speculative_verify(scalar_gate):
     indices = torch.tensor([3, -1, 0], device=DEVICE)
     steps = torch.empty(3, 4, 2, 16, 8, device=DEVICE)
     o = launch_recurrent_kda(
-        x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, pool, None, indices, None,
-        0.3, -5.0, True, True, step_states=steps,
-    )  # fmt: skip
-    inputs = DeltaRuleInputs(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias)
-    options = DeltaRuleOptions(scale=0.3, lower_bound=-5.0, use_qk_l2norm=True,
-                               use_beta_sigmoid=True)  # fmt: skip
-    o_ref, steps_ref = verify_reference(inputs, pool, indices, options)
+        tensors(x), pool, None, indices, None, options(-5.0), step_states=steps
+    )
+    o_ref, steps_ref = verify_reference(tensors(x), pool, indices, options(-5.0))
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(steps, steps_ref)
     assert torch.equal(pool, before)

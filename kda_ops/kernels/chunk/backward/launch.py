@@ -21,22 +21,14 @@ from kda_ops.kernels.chunk.backward.saved import ROWS, SavedForBackward
 from kda_ops.kernels.chunk.backward.state import launch_state_scan
 from kda_ops.kernels.chunk.backward.wy import launch_wy
 from kda_ops.kernels.sizes import cdiv
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 def launch_chunk_kda_training(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     keep_rows: bool = True,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
@@ -44,11 +36,10 @@ def launch_chunk_kda_training(
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
     unless ``keep_rows``): about 0.55 GB without the rows, 1.4 GB with them, at B = 1,
     T = 8192, H = 64, bf16 (step times against FLA's in ``benchmarks/README.md``)."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    layout = plan_layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
-                         use_beta_sigmoid)  # fmt: skip
-    saved = prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                             layout, with_g=keep_rows)  # fmt: skip
+    inputs = inputs.map_tokens(Tensor.contiguous)
+    q, v = inputs.q, inputs.v
+    layout = plan_layout(inputs, cu_seqlens, options)
+    saved = prepare_backward(inputs, cu_seqlens, options, layout, with_g=keep_rows)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o = torch.empty_like(v)
@@ -59,21 +50,12 @@ def launch_chunk_kda_training(
 
 
 def launch_chunk_kda_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
+    inputs: DeltaRuleInputs,
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     grad_o: Tensor,
     grad_final_state: Tensor,
-    scale: float,
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    options: DeltaRuleOptions,
     saved: Optional[Sequence[Tensor]] = None,
 ) -> tuple[Tensor, ...]:
     """Gradients of ``launch_chunk_kda`` (same arguments, shapes and dtypes) given
@@ -91,25 +73,25 @@ def launch_chunk_kda_backward(
     ``[B, T, HV, K or V]``), v_new and dRu (input dtype), dβ's shares over the key-column
     blocks, and unless given, ``SavedForBackward``; at B = 1, T = 8192, HV = 64, K = V =
     128, bf16, about 2.5 GB besides the outputs."""
-    q, k, v, g, beta, grad_o = (x.contiguous() for x in (q, k, v, g, beta, grad_o))
+    inputs = inputs.map_tokens(Tensor.contiguous)
+    q, k, v, g, beta, A_log, dt_bias = inputs
+    scale, lower_bound, use_qk_l2norm, use_beta_sigmoid = options
+    grad_o = grad_o.contiguous()
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     batch, length, _, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
-    layout = plan_layout(q, v, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm,
-                         use_beta_sigmoid)  # fmt: skip
+    layout = plan_layout(inputs, cu_seqlens, options)
     # Kept tensors are scratch only when kept with their rows (disable_recompute).
     owns_saved = saved is None or len(saved) == len(SavedForBackward._fields)
     if saved is None:  # nothing kept: kernel 1 and the recurrence for the chunk states here
-        saved = prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale,
-                                 lower_bound, layout)  # fmt: skip
+        saved = prepare_backward(inputs, cu_seqlens, options, layout)
         final_state = q.new_empty(layout.n_seqs, value_heads, head_k, head_v,
                                   dtype=torch.float32)  # fmt: skip
         scan_saved(saved, initial_state, cu_seqlens, layout, None, final_state)
     elif not owns_saved:
-        saved = rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                             saved, layout)  # fmt: skip
+        saved = rebuild_rows(inputs, cu_seqlens, options, saved, layout)
     aqk, solve, chunk_decay, q_norm, k_norm, unbounded, chunk_states, cum_g, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_chunks, block_k = layout.n_chunks, layout.block_k

@@ -11,6 +11,7 @@ from kda_ops.kernels.chunk.device import CHUNK
 from kda_ops.kernels.chunk.planning import dot_block, prepare_flags, prepare_warps
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 class Layout(NamedTuple):
@@ -26,16 +27,9 @@ class Layout(NamedTuple):
 
 
 def plan_layout(
-    q: Tensor,
-    v: Tensor,
-    g: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    lower_bound: Optional[float],
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
+    inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor], options: DeltaRuleOptions
 ) -> Layout:
+    q, v = inputs.q, inputs.v
     batch, length, _, head_k = q.shape
     if cu_seqlens is None:
         n_seqs, offsets = batch, None
@@ -48,9 +42,7 @@ def plan_layout(
         n_chunks=chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK),
         block_k=block_k,
         block_v=dot_block(v.shape[3]),
-        flags=prepare_flags(
-            q, g, A_log, dt_bias, cu_seqlens, lower_bound, use_qk_l2norm, use_beta_sigmoid
-        ),
+        flags=prepare_flags(inputs, cu_seqlens, options),
         warps=prepare_warps(block_k),
     )
 

@@ -23,6 +23,7 @@ from kda_ops.kernels.chunk.device import CHUNK_BLOCKS
 from kda_ops.kernels.chunk.launch import scan_chunks
 from kda_ops.kernels.chunk.prepare import prepare_chunks
 from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 @triton.jit
@@ -54,10 +55,13 @@ def chunk_bwd_prepare_kernel(
                    USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, CHUNK_BLOCKS)  # fmt: skip
 
 
-def prepare_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                     layout: Layout, with_g: bool = True) -> SavedForBackward:  # fmt: skip
+def prepare_backward(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
+                     options: DeltaRuleOptions, layout: Layout,
+                     with_g: bool = True) -> SavedForBackward:  # fmt: skip
     """Kernel 1 on contiguous inputs (arguments as ``launch_chunk_kda``'s), storing G only
     ``with_g``."""
+    q, k, v, g, beta, A_log, dt_bias = inputs
+    scale, lower_bound = options.scale, options.lower_bound
     _, length, heads, head_k = q.shape
     value_heads = v.shape[2]
     saved = empty_saved(q, v, layout.n_chunks, with_g)

@@ -11,6 +11,7 @@ whole of kernel 1, a large share of the step, so they are kept.
 """
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -25,6 +26,7 @@ from kda_ops.kernels.chunk.planning import dot_block
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.gate import gate_parameters
 from kda_ops.kernels.sizes import cdiv, next_power_of_2
+from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
 @triton.jit
@@ -111,11 +113,14 @@ def rebuild_blocks(head_k: int) -> tuple[int, int]:
     return splits, dot_block(cdiv(head_k, splits))
 
 
-def rebuild_rows(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound,
-                 kept: Sequence[Tensor], layout: Layout) -> SavedForBackward:  # fmt: skip
+def rebuild_rows(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
+                 options: DeltaRuleOptions, kept: Sequence[Tensor],
+                 layout: Layout) -> SavedForBackward:  # fmt: skip
     """``SavedForBackward`` from its fields but the rows (``kept``), the rows written by
     ``chunk_bwd_recompute_kernel`` into fresh tensors (contiguous inputs). Not u (``None``):
     only the recurrence reads it, and the kept chunk states are that recurrence's output."""
+    q, k, v, g, beta, A_log, dt_bias = inputs
+    scale, lower_bound = options.scale, options.lower_bound
     batch, length, heads, head_k = q.shape
     value_heads = v.shape[2]
     tokens_shape = (batch, length, value_heads)

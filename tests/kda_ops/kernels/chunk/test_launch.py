@@ -6,7 +6,7 @@ import torch
 
 from kda_ops import reference
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
-from tests.kda_ops.inputs import delta_rule_inputs
+from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
 
 VARIANTS = {
@@ -33,7 +33,7 @@ def run(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True, gate_
             x.initial_state if initial_state else None, cu_seqlens, 0.3,
             lower_bound if gate else None, gate, gate)  # fmt: skip
     expected = reference.delta_rule(reference.recurrent_delta_rule, *args)
-    return launch_chunk_kda(*args), expected
+    return launch_chunk_kda(*grouped(*args)), expected
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -133,8 +133,8 @@ def test_chunk_states(variant, cu_seqlens, shape):
     rows = reference.chunk_state_rows(x.q.shape[0], x.q.shape[1], n_seqs)
     chunk_states = torch.full((rows, *expected.shape[1:]), float("nan"), device=DEVICE)
 
-    o, state = launch_chunk_kda(*args, chunk_states=chunk_states)
-    o_plain, state_plain = launch_chunk_kda(*args)
+    o, state = launch_chunk_kda(*grouped(*args), chunk_states=chunk_states)
+    o_plain, state_plain = launch_chunk_kda(*grouped(*args))
 
     used = expected.shape[0]
     assert used == (rows if cu_seqlens is None else rows - 1)
@@ -143,6 +143,7 @@ def test_chunk_states(variant, cu_seqlens, shape):
     assert torch.equal(o, o_plain) and torch.equal(state, state_plain)
     # The backward's re-run: states only, no output products.
     states_only = torch.full_like(chunk_states, float("nan"))
-    no_output, state_only = launch_chunk_kda(*args, chunk_states=states_only, output=False)
+    no_output, state_only = launch_chunk_kda(*grouped(*args), chunk_states=states_only,
+                                             output=False)  # fmt: skip
     assert no_output is None and torch.equal(state_only, state)
     assert torch.equal(states_only[:used], chunk_states[:used])

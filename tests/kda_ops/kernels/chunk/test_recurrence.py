@@ -8,7 +8,7 @@ import torch
 from kda_ops import reference
 from kda_ops.kernels.chunk import planning
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
-from tests.kda_ops.inputs import delta_rule_inputs
+from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
 
 
@@ -27,10 +27,10 @@ def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
     rows = reference.chunk_state_rows(batch, 300, None if cu_seqlens is None else n_seqs)
     states_one = torch.empty(rows, 3, 16, 32, device=DEVICE)
     states_two = torch.empty_like(states_one)
-    o_one, final_one = launch_chunk_kda(*args, chunk_states=states_one, segments=1)
+    o_one, final_one = launch_chunk_kda(*grouped(*args), chunk_states=states_one, segments=1)
     split = [(0, 2, 32), (2, 3 * n_seqs - 2, 16)]
     monkeypatch.setattr(planning, "scan_launches", lambda *_: split)
-    o_two, final_two = launch_chunk_kda(*args, chunk_states=states_two, segments=1)
+    o_two, final_two = launch_chunk_kda(*grouped(*args), chunk_states=states_two, segments=1)
     torch.testing.assert_close(o_two, o_one)
     torch.testing.assert_close(final_two, final_one)
     used = reference.chunk_state_rows(batch, 300, None) if cu_seqlens is None else 6
@@ -53,9 +53,10 @@ def test_packed_sequences_taken_longest_first():
     options = (0.3, -5.0, True, True)
     cu_seqlens = torch.tensor(bounds, device=DEVICE).int()
     assert reference.longest_first(cu_seqlens).tolist() == [1, 0, 2]
-    o, final = launch_chunk_kda(*tensors, initial, cu_seqlens, *options)
+    o, final = launch_chunk_kda(*grouped(*tensors, initial, cu_seqlens, *options))
     for n, (start, end) in enumerate(itertools.pairwise(bounds)):
         alone = [t[:, start:end] if t.dim() > 1 else t for t in tensors]
-        o_alone, final_alone = launch_chunk_kda(*alone, initial[n : n + 1], None, *options)
+        o_alone, final_alone = launch_chunk_kda(*grouped(*alone, initial[n : n + 1], None,
+                                                          *options))  # fmt: skip
         torch.testing.assert_close(o[:, start:end], o_alone)
         torch.testing.assert_close(final[n : n + 1], final_alone)

@@ -6,7 +6,7 @@ import torch
 from kda_ops import reference
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from kda_ops.kernels.chunk.segments import segment_count
-from tests.kda_ops.inputs import delta_rule_inputs
+from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
 
 
@@ -24,8 +24,9 @@ def test_segmented_recurrence(segments, initial_state):
     rows = reference.chunk_state_rows(2, 256, None)
     states_plain = torch.empty(rows, 2, 16, 24, device=DEVICE)
     states_segmented = torch.empty_like(states_plain)
-    o_plain, final_plain = launch_chunk_kda(*args, chunk_states=states_plain, segments=1)
-    o, final = launch_chunk_kda(*args, chunk_states=states_segmented, segments=segments)
+    o_plain, final_plain = launch_chunk_kda(*grouped(*args), chunk_states=states_plain, segments=1)
+    o, final = launch_chunk_kda(*grouped(*args), chunk_states=states_segmented,
+                                segments=segments)  # fmt: skip
     torch.testing.assert_close(o, o_plain)
     torch.testing.assert_close(final, final_plain)
     torch.testing.assert_close(states_segmented, states_plain)

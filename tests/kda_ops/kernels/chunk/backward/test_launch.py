@@ -12,7 +12,7 @@ from kda_ops.kernels.chunk.backward.launch import (
 )
 from kda_ops.kernels.chunk.backward.saved import ROWS
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
-from tests.kda_ops.inputs import delta_rule_inputs
+from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, relative_error
 
 VARIANTS = {
@@ -55,7 +55,7 @@ def check_gradients(variant, dtype=torch.float32, **options):
     """Kernel gradients of ``kernel_inputs(variant, dtype, **options)`` vs
     ``reference.vjp`` in float64."""
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(variant, dtype, **options)
-    got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
+    got = launch_chunk_kda_backward(*grouped(*primals, cu_seqlens, grad_o, grad_state, *config))
     assert_matches_float64(got, primals, cu_seqlens, config, grad_o, grad_state, dtype)
 
 
@@ -183,13 +183,15 @@ def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
         variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v
     )
-    o, final_state, saved = launch_chunk_kda_training(*primals, cu_seqlens, *config)
-    expected_o, expected_state = launch_chunk_kda(*primals, cu_seqlens, *config)
+    o, final_state, saved = launch_chunk_kda_training(*grouped(*primals, cu_seqlens, *config))
+    expected_o, expected_state = launch_chunk_kda(*grouped(*primals, cu_seqlens, *config))
     assert relative_error(o, expected_o) < 1e-6
     assert relative_error(final_state, expected_state) < 1e-6
-    got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+    got = launch_chunk_kda_backward(*grouped(*primals, cu_seqlens, grad_o, grad_state, *config),
                                     saved=saved)  # fmt: skip
-    expected = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config)
+    expected = launch_chunk_kda_backward(
+        *grouped(*primals, cu_seqlens, grad_o, grad_state, *config)
+    )
     for name, grad, grad_expected in zip(NAMES, got, expected):
         assert torch.equal(grad, grad_expected), name
 
@@ -203,7 +205,7 @@ def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows):
         "softplus_gate", cu_seqlens=cu_seqlens, length=150, n_seqs=2 if cu_seqlens else None,
         head_k=16, head_v=24,
     )  # fmt: skip
-    _, _, saved = launch_chunk_kda_training(*primals, cu, *config, keep_rows=keep_rows)
+    _, _, saved = launch_chunk_kda_training(*grouped(*primals, cu, *config), keep_rows=keep_rows)
     expected = saved_like(primals[0], primals[2], cu, keep_rows)
     assert len(saved) == len(expected)
     for got, like in zip(saved, expected):
@@ -223,16 +225,16 @@ def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
         variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v
     )
-    _, _, saved = launch_chunk_kda_training(*primals, cu_seqlens, *config)
-    _, _, kept = launch_chunk_kda_training(*primals, cu_seqlens, *config, keep_rows=False)
+    _, _, saved = launch_chunk_kda_training(*grouped(*primals, cu_seqlens, *config))
+    _, _, kept = launch_chunk_kda_training(*grouped(*primals, cu_seqlens, *config), keep_rows=False)
     assert len(kept) == len(saved) - len(ROWS)
     kept_before = [t.clone() for t in kept]
-    got = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+    got = launch_chunk_kda_backward(*grouped(*primals, cu_seqlens, grad_o, grad_state, *config),
                                     saved=kept)  # fmt: skip
     # Bit patterns: T's and Aqk's tiles above the diagonal are never written.
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(kept, kept_before))  # fmt: skip
-    again = launch_chunk_kda_backward(*primals, cu_seqlens, grad_o, grad_state, *config,
+    again = launch_chunk_kda_backward(*grouped(*primals, cu_seqlens, grad_o, grad_state, *config),
                                       saved=kept)  # fmt: skip
     for name, grad, grad_again in zip(NAMES, got, again):
         assert torch.equal(grad, grad_again), name

@@ -5,6 +5,7 @@ import torch
 
 from kda_ops.kernels.chunk import planning
 from kda_ops.kernels.chunk.backward.launch import launch_chunk_kda_backward
+from tests.kda_ops.inputs import grouped
 from tests.kda_ops.kernels.chunk.backward.test_launch import kernel_inputs
 
 
@@ -20,9 +21,9 @@ def test_state_scan_split_across_launches(monkeypatch, cu_seqlens):
     n_seqs = batch if cu_seqlens is None else len(cu_seqlens) - 1
     primals = (*primals[:-1], primals[-1][:1].expand(n_seqs, -1, -1, -1).contiguous())
     grad_state = grad_state[:1].expand(n_seqs, -1, -1, -1).contiguous()
-    one = launch_chunk_kda_backward(*primals, cu, grad_o, grad_state, *config)
+    one = launch_chunk_kda_backward(*grouped(*primals, cu, grad_o, grad_state, *config))
     split = [(0, 2, 32), (2, 3 * n_seqs - 2, 16)]
     monkeypatch.setattr(planning, "scan_launches", lambda *_: split)
-    two = launch_chunk_kda_backward(*primals, cu, grad_o, grad_state, *config)
+    two = launch_chunk_kda_backward(*grouped(*primals, cu, grad_o, grad_state, *config))
     for got, expected in zip(two, one):
         torch.testing.assert_close(got, expected)
