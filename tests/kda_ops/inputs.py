@@ -9,7 +9,9 @@ from kda_ops import signature
 
 
 @dataclass
-class DeltaRuleInputs:
+class RandomInputs:
+    """Random delta-rule inputs with an initial state (``delta_rule_inputs``)."""
+
     q: Tensor
     k: Tensor
     v: Tensor
@@ -38,7 +40,7 @@ def delta_rule_inputs(
     unit_qk: bool = True,
     dtype: torch.dtype = torch.float64,
     requires_grad: bool = False,
-) -> DeltaRuleInputs:
+) -> RandomInputs:
     """Inputs in FLA's layouts. Without ``raw_gate``, g is a log-decay in (-1, 0) and beta
     lies in (0, 1) (what callers pass with the in-kernel options off); with it, g and beta
     are raw pre-activations. ``unit_qk`` gives q and k unit rows (what keeps the recurrence
@@ -52,7 +54,7 @@ def delta_rule_inputs(
     q, k = torch.randn(2, batch, length, heads, head_k)
     if unit_qk:
         q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    tensors = DeltaRuleInputs(
+    tensors = RandomInputs(
         q=q,
         k=k,
         v=torch.randn(batch, length, value_heads, head_v),
