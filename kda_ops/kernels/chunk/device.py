@@ -51,6 +51,30 @@ def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexp
 
 
 @triton.jit
+def program_chunk(window_first, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, C: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """(global number, first token, tokens left in its sequence from there) of this token-
+    parallel program's chunk of C tokens. ``WINDOW`` = 0: the chunk numbered as the
+    program (``locate_chunk``). Else the programs take chunks ``[window_first,
+    window_first + WINDOW)`` of every sequence, ``WINDOW`` programs a sequence (the
+    pipelined forward's time windows, ``launch.py``); none left past a sequence's end."""
+    pid = tl.program_id(0)
+    if WINDOW == 0:
+        i_c = pid
+        start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                        IS_VARLEN, C)  # fmt: skip
+    else:
+        i_n = pid // WINDOW
+        c = window_first + pid % WINDOW
+        bos, seq_len, first_chunk = sequence_span(i_n, cu_seqlens, chunk_offsets, length,
+                                                  IS_VARLEN, C)  # fmt: skip
+        i_c = first_chunk + c
+        start = bos + c.to(tl.int64) * C
+        remaining = tl.maximum(bos + seq_len - start, 0)
+    return i_c, start, remaining
+
+
+@triton.jit
 def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr,
                   C: tl.constexpr = 64):  # fmt: skip
     """(first token, length, global number of the first chunk) of sequence i_n, for the

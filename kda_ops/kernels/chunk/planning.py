@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
@@ -41,6 +42,26 @@ def prepare_flags(
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+
+
+# Windows of the pipelined forward (``pipeline.py``) and the fewest tokens a window takes.
+PIPELINE_WINDOWS = 4
+MIN_WINDOW_TOKENS = 1024
+
+
+def pipeline_window_steps(length: int, device: torch.device) -> int:
+    """16-token steps of a window of the pipelined forward over sequences of up to
+    ``length`` tokens (T, or the packed total), 0 for one pass: on CUDA, where a sequence
+    holds ``PIPELINE_WINDOWS`` windows of ``MIN_WINDOW_TOKENS``, a ``PIPELINE_WINDOWS``-th
+    of it rounded up to 64-token chunks (the states a window hands on are chunk states).
+    Shorter sequences gain too little from the overlap to pay for a window's launches;
+    the interpreter takes one pass (tests ask for windows explicitly)."""
+    if device.type != "cuda" or not isinstance(length, int):
+        return 0
+    if length < PIPELINE_WINDOWS * MIN_WINDOW_TOKENS:
+        return 0
+    chunk = reference.CHUNK_SIZE
+    return cdiv(cdiv(length, chunk), PIPELINE_WINDOWS) * (chunk // FORWARD_CHUNK)
 
 
 def dot_block(n: int) -> int:
