@@ -199,7 +199,7 @@ def test_chunk_pipelined_windows_match_one_pass(varlen):
                                   dtype=torch.int32)  # fmt: skip
     state = torch.randn(1 if cu_seqlens is None else 6, 4, 128, 128, device="cuda")
     args = grouped(*(x[n] for n in names), state, cu_seqlens, 128**-0.5, -5.0, True, True)
-    assert pipeline_window_steps(8192, torch.device("cuda")) > 0
+    assert pipeline_window_steps(8192, state.shape[0], torch.device("cuda")) > 0
     o_one, final_one = launch_chunk_kda(*args, window_steps=0)
     o, final = launch_chunk_kda(*args)
     assert relative_error(o, o_one) < 1e-6 and relative_error(final, final_one) < 1e-6

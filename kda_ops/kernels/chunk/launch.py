@@ -53,7 +53,8 @@ class PrepareStep(NamedTuple):
         (first chunk, chunks) of every sequence (the kernel's ``WINDOW``), or (0, 0):
         every chunk."""
         first, size = window
-        programs = self.n_chunks if size == 0 else self.n_seqs * size
+        varlen = self.chunk_offsets is not None
+        programs = self.n_chunks if size == 0 or varlen else self.n_seqs * size
         window_args = dict(window_first=first, WINDOW=size)
         return [KernelLaunch(chunk_prepare_kernel, (programs, self.value_heads),
                              {**self.args, **window_args, "CHUNKS": chunks}, self.writes)
@@ -114,7 +115,8 @@ def launch_chunk_kda(
     if segments is None:
         segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
     if window_steps is None:
-        window_steps = pipeline_window_steps(length, device)
+        n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        window_steps = pipeline_window_steps(length, n_seqs, device)
     if segments == 1 and window_steps == 0:
         results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
                              output).run()  # fmt: skip

@@ -45,6 +45,13 @@ def chunk_recurrence_kernel(
     i_n, i_hv, i_nh = scan_program(first_head + i_rank, sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
                                              STEP)  # fmt: skip
+    steps_begin = 0
+    steps_end = tl.cdiv(seq_len, STEP)
+    if WINDOW_STEPS > 0:  # a time window: the state comes in and goes out through memory
+        if window_begin > 0 and window_begin >= steps_end:
+            return  # the sequence ended in an earlier window, which stored its state
+        steps_begin = window_begin
+        steps_end = tl.minimum(steps_end, window_begin + WINDOW_STEPS)
     # Chunk states are the states at 64-token chunk starts, every STEPS_A_CHUNK-th step.
     STEPS_A_CHUNK: tl.constexpr = 64 // STEP
     if STEPS_A_CHUNK == 1:
@@ -68,11 +75,6 @@ def chunk_recurrence_kernel(
         state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
     rows = tl.arange(0, STEP)
-    steps_begin = 0
-    steps_end = tl.cdiv(seq_len, STEP)
-    if WINDOW_STEPS > 0:  # a time window: the state comes in and goes out through memory
-        steps_begin = window_begin
-        steps_end = tl.minimum(steps_end, window_begin + WINDOW_STEPS)
     for c in tl.range(steps_begin, steps_end, num_stages=STAGES):
         tokens = bos + c * STEP + rows
         in_seq = c * STEP + rows < seq_len

@@ -7,6 +7,7 @@ import torch
 from kda_ops import reference
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from kda_ops.kernels.chunk.planning import (
+    MAX_PIPELINED_SEQUENCES,
     MIN_WINDOW_TOKENS,
     PIPELINE_WINDOWS,
     pipeline_window_steps,
@@ -74,10 +75,11 @@ def test_windows_without_initial_state_or_output():
 def test_window_planning():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     shortest = PIPELINE_WINDOWS * MIN_WINDOW_TOKENS
-    assert pipeline_window_steps(8192, cpu) == 0  # the interpreter: one pass
-    assert pipeline_window_steps(shortest - 1, cuda) == 0
-    assert pipeline_window_steps(8192, cuda) == 8192 // PIPELINE_WINDOWS // 16
+    assert pipeline_window_steps(8192, 1, cpu) == 0  # the interpreter: one pass
+    assert pipeline_window_steps(shortest - 1, 1, cuda) == 0
+    assert pipeline_window_steps(8192, MAX_PIPELINED_SEQUENCES + 1, cuda) == 0
+    assert pipeline_window_steps(8192, 6, cuda) == 8192 // PIPELINE_WINDOWS // 16
     # Rounded up to whole 64-token chunks: a window hands on a chunk state.
-    steps = pipeline_window_steps(shortest + 16, cuda)
+    steps = pipeline_window_steps(shortest + 16, 1, cuda)
     assert steps % 4 == 0 and steps * 16 * PIPELINE_WINDOWS >= shortest + 16
     assert (steps - 4) * 16 * PIPELINE_WINDOWS < shortest + 16
