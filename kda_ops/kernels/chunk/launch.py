@@ -8,7 +8,7 @@ package docstring says why). Varlen needs no host sync: chunks are numbered per 
 the device (``chunk_offsets``) and the grid is the upper bound ``T // C + N``; programs
 past the last chunk exit."""
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from torch import Tensor
 from kda_ops import arguments
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.device import BLOCK
-from kda_ops.kernels.chunk.pipeline import run_pipelined
+from kda_ops.kernels.chunk.pipeline import PrepareStep, run_pipelined
 from kda_ops.kernels.chunk.planning import (
     dot_block,
     pipeline_window_steps,
@@ -26,39 +26,11 @@ from kda_ops.kernels.chunk.planning import (
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
-from kda_ops.kernels.launches import KernelLaunch, LaunchPlan
+from kda_ops.kernels.launches import LaunchPlan
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
-
-
-class PrepareStep(NamedTuple):
-    """The prepare kernel's launch arguments over one forward's inputs and the
-    intermediates it writes, ``(w, u, qg, kd, aqk, chunk_decay)``; :meth:`launches` over
-    every chunk or over a time window of each sequence."""
-
-    args: dict[str, object]
-    passes: tuple[str, ...]  # the kernel's CHUNKS of each launch
-    writes: tuple[str, ...]
-    n_chunks: int  # an upper bound with packed sequences
-    n_seqs: int
-    value_heads: int
-    intermediates: tuple[Tensor, ...]
-    chunk_offsets: Optional[Tensor]  # of packed sequences' 16-token chunks
-    precision: str
-
-    def launches(self, window: tuple[int, int] = (0, 0)) -> list[KernelLaunch]:
-        """Once with the safe gate, else the bounded and the unbounded launch; ``window``:
-        (first chunk, chunks) of every sequence (the kernel's ``WINDOW``), or (0, 0):
-        every chunk."""
-        first, size = window
-        varlen = self.chunk_offsets is not None
-        programs = self.n_chunks if size == 0 or varlen else self.n_seqs * size
-        window_args = dict(window_first=first, WINDOW=size)
-        return [KernelLaunch(chunk_prepare_kernel, (programs, self.value_heads),
-                             {**self.args, **window_args, "CHUNKS": chunks}, self.writes)
-                for chunks in self.passes]  # fmt: skip
 
 
 def chunk_plan(
@@ -116,7 +88,7 @@ def launch_chunk_kda(
         segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
     if window_steps is None:
         n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        window_steps = pipeline_window_steps(length, n_seqs, device)
+        window_steps = pipeline_window_steps(length, n_seqs, device, FORWARD_CHUNK)
     if segments == 1 and window_steps == 0:
         results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
                              output).run()  # fmt: skip
@@ -175,7 +147,7 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
         BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
         BLOCKS=chunk // BLOCK.value, num_warps=prepare_warps(block_k),
     )  # fmt: skip
-    return PrepareStep(args, passes, writes, n_chunks, n_seqs, value_heads,
+    return PrepareStep(chunk_prepare_kernel, args, passes, writes, n_chunks, n_seqs, value_heads,
                        (w, u, qg, kd, aqk, chunk_decay), chunk_offsets,
                        flags["DOT_PRECISION"])  # fmt: skip
 

@@ -13,14 +13,45 @@ intermediates of their chunks (``chunk_prepare_kernel``'s ``WINDOW``). Off CUDA 
 interpreter) the same launches run in the same order on one stream."""
 
 import contextlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.recurrence import recurrence_launches
+from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv
+
+
+class PrepareStep(NamedTuple):
+    """A prepare kernel's launch arguments over one forward's inputs (the forward's
+    ``chunk_prepare_kernel``, or the backward's kernel 1 for the training forward) and the
+    intermediates the recurrence reads, ``(w, u, qg, kd, aqk, chunk_decay)``;
+    :meth:`launches` over every chunk or over a time window of each sequence."""
+
+    kernel: object  # a @triton.jit kernel taking window_first and WINDOW
+    args: dict[str, object]
+    passes: tuple[str, ...]  # the kernel's CHUNKS of each launch
+    writes: tuple[str, ...]
+    n_chunks: int  # an upper bound with packed sequences
+    n_seqs: int
+    value_heads: int
+    intermediates: tuple[Tensor, ...]
+    chunk_offsets: Optional[Tensor]  # of packed sequences' 16-token chunks
+    precision: str
+
+    def launches(self, window: tuple[int, int] = (0, 0)) -> list[KernelLaunch]:
+        """Once with the safe gate, else the bounded and the unbounded launch; ``window``:
+        (first chunk, chunks) of every sequence (the kernel's ``WINDOW``), or (0, 0):
+        every chunk."""
+        first, size = window
+        varlen = self.chunk_offsets is not None
+        programs = self.n_chunks if size == 0 or varlen else self.n_seqs * size
+        window_args = dict(window_first=first, WINDOW=size)
+        return [KernelLaunch(self.kernel, (programs, self.value_heads),
+                             {**self.args, **window_args, "CHUNKS": chunks}, self.writes)
+                for chunks in self.passes]  # fmt: skip
+
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -33,15 +64,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def run_pipelined(prepare, initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                  length: int, o: Optional[Tensor], final_state: Tensor,
-                  chunk_states: Optional[Tensor], window_steps: int) -> None:  # fmt: skip
-    """The prepare kernel's launches (``prepare``, a ``launch.PrepareStep``) and the
-    recurrence's, in windows of ``window_steps`` 16-token steps (a multiple of 4, so that
-    a window starts at a 64-token chunk) of every sequence, ``length`` tokens (the longest
+def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
+                  cu_seqlens: Optional[Tensor], length: int, o: Optional[Tensor],
+                  final_state: Tensor, chunk_states: Optional[Tensor],
+                  window_steps: int) -> None:  # fmt: skip
+    """The prepare kernel's launches and the recurrence's, in windows of ``window_steps``
+    steps (the prepare's chunks: 16 tokens in the forward, 64 in the training forward;
+    windows start at 64-token chunks) of every sequence, ``length`` tokens (the longest
     sequence's bound: T, or the packed total) in all. Outputs as ``launch_chunk_kda``'s;
     on CUDA it returns with the current stream ordered after every launch."""
-    windows = cdiv(cdiv(length, FORWARD_CHUNK), window_steps)
+    step_tokens = prepare.intermediates[4].shape[-1]  # Aqk's: the prepare's chunk
+    windows = cdiv(cdiv(length, step_tokens), window_steps)
     device = final_state.device
     on_cuda = device.type == "cuda"
     if on_cuda:

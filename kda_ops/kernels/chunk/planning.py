@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference
-from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
@@ -51,10 +50,12 @@ MIN_WINDOW_TOKENS = 1024
 MAX_PIPELINED_SEQUENCES = 16
 
 
-def pipeline_window_steps(length: int, n_seqs: int, device: torch.device) -> int:
-    """16-token steps of a window of the pipelined forward over ``n_seqs`` sequences of up
-    to ``length`` tokens (T, or the packed total), 0 for one pass: on CUDA, where a
-    sequence may hold ``PIPELINE_WINDOWS`` windows of ``MIN_WINDOW_TOKENS``, a
+def pipeline_window_steps(length: int, n_seqs: int, device: torch.device,
+                          step_tokens: int) -> int:  # fmt: skip
+    """Steps of ``step_tokens`` (the prepare's chunk: 16 in the forward, 64 in the training
+    forward) of a window of the pipelined forward over ``n_seqs`` sequences of up to
+    ``length`` tokens (T, or the packed total), 0 for one pass: on CUDA, where a sequence
+    may hold ``PIPELINE_WINDOWS`` windows of ``MIN_WINDOW_TOKENS``, a
     ``PIPELINE_WINDOWS``-th of ``length`` rounded up to 64-token chunks (the states a
     window hands on are chunk states). Shorter sequences gain too little from the overlap
     to pay for a window's launches, and a window's launches take programs for every
@@ -65,7 +66,7 @@ def pipeline_window_steps(length: int, n_seqs: int, device: torch.device) -> int
     if length < PIPELINE_WINDOWS * MIN_WINDOW_TOKENS or n_seqs > MAX_PIPELINED_SEQUENCES:
         return 0
     chunk = reference.CHUNK_SIZE
-    return cdiv(cdiv(length, chunk), PIPELINE_WINDOWS) * (chunk // FORWARD_CHUNK)
+    return cdiv(cdiv(length, chunk), PIPELINE_WINDOWS) * (chunk // step_tokens)
 
 
 def dot_block(n: int) -> int:
