@@ -57,10 +57,10 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The recurrence's stream on ``device``: one a device, of the highest priority."""
+    """The recurrence's stream on ``device``: one a device, of a priority above the default
+    streams' (torch maps -1 into the device's range)."""
     if device not in _SIDE_STREAMS:
-        _, highest = torch.cuda.Stream.priority_range()
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=highest)
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return _SIDE_STREAMS[device]
 
 
