@@ -80,7 +80,7 @@ def launch_chunk_kda(
     (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
     lets :func:`recurrence_segments` choose from the shapes. ``window_steps``: with one
     segment, the 16-token steps of a time window of the pipelined forward
-    (``pipeline.py``; a multiple of 4), 0 for one pass over the sequences; ``None`` lets
+    (``pipeline.py``), 0 for one pass over the sequences; ``None`` lets
     :func:`pipeline_window_steps` choose."""
     batch, length, value_heads, head_v = inputs.v.shape
     device = inputs.q.device

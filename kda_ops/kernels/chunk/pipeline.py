@@ -69,8 +69,8 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
                   final_state: Tensor, chunk_states: Optional[Tensor],
                   window_steps: int) -> None:  # fmt: skip
     """The prepare kernel's launches and the recurrence's, in windows of ``window_steps``
-    steps (the prepare's chunks: 16 tokens in the forward, 64 in the training forward;
-    windows start at 64-token chunks) of every sequence, ``length`` tokens (the longest
+    steps (the prepare's chunks: 16 tokens in the forward, 64 in the training forward) of
+    every sequence, ``length`` tokens (the longest
     sequence's bound: T, or the packed total) in all. Outputs as ``launch_chunk_kda``'s;
     on CUDA it returns with the current stream ordered after every launch."""
     step_tokens = prepare.intermediates[4].shape[-1]  # Aqk's: the prepare's chunk

@@ -56,17 +56,15 @@ def pipeline_window_steps(length: int, n_seqs: int, device: torch.device,
     forward) of a window of the pipelined forward over ``n_seqs`` sequences of up to
     ``length`` tokens (T, or the packed total), 0 for one pass: on CUDA, where a sequence
     may hold ``PIPELINE_WINDOWS`` windows of ``MIN_WINDOW_TOKENS``, a
-    ``PIPELINE_WINDOWS``-th of ``length`` rounded up to 64-token chunks (the states a
-    window hands on are chunk states). Shorter sequences gain too little from the overlap
-    to pay for a window's launches, and a window's launches take programs for every
-    sequence (``MAX_PIPELINED_SEQUENCES``). The interpreter takes one pass (tests ask for
-    windows explicitly)."""
+    ``PIPELINE_WINDOWS``-th of ``length``. Shorter sequences gain too little from the
+    overlap to pay for a window's launches, and a window's launches take programs for
+    every sequence (``MAX_PIPELINED_SEQUENCES``). The interpreter takes one pass (tests ask
+    for windows explicitly)."""
     if device.type != "cuda" or not isinstance(length, int) or not isinstance(n_seqs, int):
         return 0
     if length < PIPELINE_WINDOWS * MIN_WINDOW_TOKENS or n_seqs > MAX_PIPELINED_SEQUENCES:
         return 0
-    chunk = reference.CHUNK_SIZE
-    return cdiv(cdiv(length, chunk), PIPELINE_WINDOWS) * (chunk // step_tokens)
+    return cdiv(cdiv(length, step_tokens), PIPELINE_WINDOWS)
 
 
 def dot_block(n: int) -> int:

@@ -12,8 +12,8 @@ chunk's global number, every ``64 // STEP``-th step). Extra state columns past V
 (``WIDTH``) carry the transition map that ``segments.py`` composes. With ``WINDOW_STEPS``
 a launch walks steps ``[window_begin, window_begin + WINDOW_STEPS)`` of each sequence
 only, from the state in ``initial_state`` (the previous window's ``final_state``, the same
-buffer): the pipelined forward's time windows (``launch.py``); a window starts at a
-64-token chunk, so that each chunk state is stored once.
+buffer): the pipelined forward's time windows (``pipeline.py``); a step's number is the
+sequence's, so each chunk state is stored once, in the window holding its step.
 
 At 16-token steps a program takes under 256 registers at 4 warps and a quarter of the
 64-token step's shared memory, so two share an SM (``scan_residency``): at H = 96 all 192

@@ -44,11 +44,12 @@ def arguments(variant, cu_seqlens, initial_state=True, **shape):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("window_steps", [4, 8])
+@pytest.mark.parametrize("window_steps", [3, 8])
 def test_windows_give_the_one_pass_results(variant, case, window_steps):
-    """Outputs, final state and chunk states of windows of 64 and 128 tokens equal the
+    """Outputs, final state and chunk states of windows of 48 and 128 tokens equal the
     one pass's bit for bit: every chunk is prepared alike, and each window's recurrence
-    takes the fp32 state where the one before left it."""
+    takes the fp32 state where the one before left it (chunk states too, where a window
+    starts inside a 64-token chunk)."""
     cu_seqlens, shape = CASES[case]
     inputs, initial_state, cu, options = arguments(variant, cu_seqlens, **shape)
     n_seqs = None if cu is None else cu.shape[0] - 1
@@ -108,7 +109,6 @@ def test_window_planning():
     assert pipeline_window_steps(8192, MAX_PIPELINED_SEQUENCES + 1, cuda, 16) == 0
     assert pipeline_window_steps(8192, 6, cuda, 16) == 8192 // PIPELINE_WINDOWS // 16
     assert pipeline_window_steps(8192, 6, cuda, 64) == 8192 // PIPELINE_WINDOWS // 64
-    # Rounded up to whole 64-token chunks: a window hands on a chunk state.
+    # Rounded up: PIPELINE_WINDOWS windows cover the sequence.
     steps = pipeline_window_steps(shortest + 16, 1, cuda, 16)
-    assert steps % 4 == 0 and steps * 16 * PIPELINE_WINDOWS >= shortest + 16
-    assert (steps - 4) * 16 * PIPELINE_WINDOWS < shortest + 16
+    assert steps * 16 * PIPELINE_WINDOWS >= shortest + 16 > (steps - 1) * 16 * PIPELINE_WINDOWS
