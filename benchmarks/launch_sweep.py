@@ -165,11 +165,10 @@ def sweep_recurrence(x: Inputs):
         grid = (DIM // columns * x.heads,)
         yield f"recurrence, {columns} value columns, {warps} warps, {stages} stages", partial(
             chunk_recurrence_kernel[grid],
-            w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, 0, o,
+            w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, o,
             final_state, None, HV=x.heads, K=DIM, V=DIM, WIDTH=DIM, BK=DIM, BV=columns,
             STEP=CHUNK, HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
-            STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, WINDOW_STEPS=0,
-            num_warps=warps,
+            STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, num_warps=warps,
         )  # fmt: skip
 
 
@@ -184,9 +183,9 @@ def sweep_prepare(x: Inputs):
         yield f"kernel 1, {warps} warps", partial(
             chunk_bwd_prepare_kernel[(x.chunks, x.heads)],
             x.q, x.k, v, x.g, x.beta, x.A_log, x.dt_bias, None, None, DIM**-0.5, LOWER_BOUND,
-            x.length, 1, 0, None, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm,
-            None, None, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM, BN=1, **x.flags,
-            CHUNKS="all", WINDOW=0, num_warps=warps,
+            x.length, 1, None, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, None,
+            None, H=x.heads, HV=x.heads, K=DIM, V=DIM, BK=DIM, BV=DIM, BN=1, **x.flags,
+            CHUNKS="all", num_warps=warps,
         )  # fmt: skip
 
 

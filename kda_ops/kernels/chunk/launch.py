@@ -23,7 +23,6 @@ from kda_ops.kernels.chunk.planning import (
     prepare_flags,
     prepare_warps,
 )
-from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
 from kda_ops.kernels.launches import LaunchPlan
@@ -87,8 +86,7 @@ def launch_chunk_kda(
     if segments is None:
         segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
     if window_steps is None:
-        n_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        window_steps = pipeline_window_steps(length, n_seqs, device, FORWARD_CHUNK)
+        window_steps = pipeline_window_steps(length, cu_seqlens is not None, device)
     if segments == 1 and window_steps == 0:
         results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
                              output).run()  # fmt: skip
@@ -147,7 +145,7 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
         BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
         BLOCKS=chunk // BLOCK.value, num_warps=prepare_warps(block_k),
     )  # fmt: skip
-    return PrepareStep(chunk_prepare_kernel, args, passes, writes, n_chunks, n_seqs, value_heads,
+    return PrepareStep(args, passes, writes, n_chunks, n_seqs, value_heads,
                        (w, u, qg, kd, aqk, chunk_decay), chunk_offsets,
                        flags["DOT_PRECISION"])  # fmt: skip
 

@@ -4,8 +4,8 @@ prepare of the next does (``run_pipelined``).
 The prepare kernel is bound by its SMs' shared memory and issue slots, the recurrence by
 the latency of its steps (a program an SM uses a fraction of either), so the two fit on
 an SM together. Run one after the other, each leaves that room unused; in windows of
-each sequence's tokens, window s's recurrence (on a side stream of the highest priority,
-so that SMs freed by prepare programs go to it first) starts as soon as window s's
+each sequence's tokens, window s's recurrence (on a side stream of a higher priority, so
+that SMs freed by prepare programs go to it first) starts as soon as window s's
 prepare has finished and shares the SMs with window s + 1's prepare. Each window's
 recurrence starts from the state the one before left in ``final_state``
 (``chunk_recurrence_kernel``'s ``WINDOW_STEPS``); the prepare's windows write the
@@ -18,18 +18,18 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import recurrence_launches
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv
 
 
 class PrepareStep(NamedTuple):
-    """A prepare kernel's launch arguments over one forward's inputs (the forward's
-    ``chunk_prepare_kernel``, or the backward's kernel 1 for the training forward) and the
-    intermediates the recurrence reads, ``(w, u, qg, kd, aqk, chunk_decay)``;
+    """The prepare kernel's launch arguments over one forward's inputs and the
+    intermediates it writes for the recurrence, ``(w, u, qg, kd, aqk, chunk_decay)``;
     :meth:`launches` over every chunk or over a time window of each sequence."""
 
-    kernel: object  # a @triton.jit kernel taking window_first and WINDOW
     args: dict[str, object]
     passes: tuple[str, ...]  # the kernel's CHUNKS of each launch
     writes: tuple[str, ...]
@@ -48,7 +48,7 @@ class PrepareStep(NamedTuple):
         varlen = self.chunk_offsets is not None
         programs = self.n_chunks if size == 0 or varlen else self.n_seqs * size
         window_args = dict(window_first=first, WINDOW=size)
-        return [KernelLaunch(self.kernel, (programs, self.value_heads),
+        return [KernelLaunch(chunk_prepare_kernel, (programs, self.value_heads),
                              {**self.args, **window_args, "CHUNKS": chunks}, self.writes)
                 for chunks in self.passes]  # fmt: skip
 
@@ -69,12 +69,10 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
                   final_state: Tensor, chunk_states: Optional[Tensor],
                   window_steps: int) -> None:  # fmt: skip
     """The prepare kernel's launches and the recurrence's, in windows of ``window_steps``
-    steps (the prepare's chunks: 16 tokens in the forward, 64 in the training forward) of
-    every sequence, ``length`` tokens (the longest
-    sequence's bound: T, or the packed total) in all. Outputs as ``launch_chunk_kda``'s;
-    on CUDA it returns with the current stream ordered after every launch."""
-    step_tokens = prepare.intermediates[4].shape[-1]  # Aqk's: the prepare's chunk
-    windows = cdiv(cdiv(length, step_tokens), window_steps)
+    16-token steps of every sequence, ``length`` tokens (the longest sequence's bound: T,
+    or the packed total) in all. Outputs as ``launch_chunk_kda``'s; on CUDA it returns
+    with the current stream ordered after every launch."""
+    windows = cdiv(cdiv(length, FORWARD_CHUNK), window_steps)
     device = final_state.device
     on_cuda = device.type == "cuda"
     if on_cuda:

@@ -150,8 +150,7 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     **{  # the backward's prepare: the forward's program with its extra outputs
         f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
                                                dict(PREPARE, SAFE_GATE=safe,
-                                                    USE_LOWER_BOUND=safe, CHUNKS=chunks,
-                                                    WINDOW=0))
+                                                    USE_LOWER_BOUND=safe, CHUNKS=chunks))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
     # the WY kernel, with the l2norm factors the prepare stored
@@ -288,9 +287,8 @@ def prepare(head_k: int, head_v: int, backward: bool, safe: bool) -> tuple:
                       CHUNKS="all" if safe else "bounded")  # fmt: skip
     module, kernel = (("chunk.backward.prepare", "chunk_bwd_prepare_kernel") if backward
                       else ("chunk.prepare", "chunk_prepare_kernel"))  # fmt: skip
-    constexprs["WINDOW"] = 0
     if not backward:  # the forward's 16-token chunks (the backward's program takes 64)
-        constexprs["BLOCKS"] = FORWARD_CHUNK // 16
+        constexprs.update(BLOCKS=FORWARD_CHUNK // 16, WINDOW=0)
     return module, kernel, constexprs, {}, {"num_warps": prepare_warps(block_k)}
 
 

@@ -14,19 +14,12 @@ from torch import Tensor
 from kda_ops.kernels.chunk.backward.gate import gate_columns, launch_gate_backward
 from kda_ops.kernels.chunk.backward.layout import plan_layout
 from kda_ops.kernels.chunk.backward.pairs import launch_pairs, pair_columns
-from kda_ops.kernels.chunk.backward.prepare import (
-    plan_backward_prepare,
-    prepare_backward,
-    scan_saved,
-)
+from kda_ops.kernels.chunk.backward.prepare import prepare_backward, scan_saved
 from kda_ops.kernels.chunk.backward.qk import launch_qk_backward
 from kda_ops.kernels.chunk.backward.recompute import rebuild_rows
 from kda_ops.kernels.chunk.backward.saved import ROWS, SavedForBackward
 from kda_ops.kernels.chunk.backward.state import launch_state_scan
 from kda_ops.kernels.chunk.backward.wy import launch_wy
-from kda_ops.kernels.chunk.device import CHUNK
-from kda_ops.kernels.chunk.pipeline import run_pipelined
-from kda_ops.kernels.chunk.planning import pipeline_window_steps
 from kda_ops.kernels.sizes import cdiv
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
@@ -37,34 +30,22 @@ def launch_chunk_kda_training(
     cu_seqlens: Optional[Tensor],
     options: DeltaRuleOptions,
     keep_rows: bool = True,
-    window_steps: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """``launch_chunk_kda`` (same arguments, o and final state) for training: the
     prepare step is the backward's kernel 1, whose outputs are returned for
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
     unless ``keep_rows``): about 0.55 GB without the rows, 1.4 GB with them, at B = 1,
-    T = 8192, H = 64, bf16 (step times against FLA's in ``benchmarks/README.md``).
-    ``window_steps``: 64-token steps of a time window (``chunk/pipeline.py``), 0 for one
-    pass; ``None`` lets ``pipeline_window_steps`` choose."""
+    T = 8192, H = 64, bf16 (step times against FLA's in ``benchmarks/README.md``)."""
     inputs = inputs.map_tokens(Tensor.contiguous)
     q, v = inputs.q, inputs.v
     layout = plan_layout(inputs, cu_seqlens, options)
-    step, saved = plan_backward_prepare(inputs, cu_seqlens, options, layout, with_g=keep_rows)
+    saved = prepare_backward(inputs, cu_seqlens, options, layout, with_g=keep_rows)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o = torch.empty_like(v)
     final_state = q.new_empty(layout.n_seqs, v.shape[2], q.shape[3], v.shape[3],
                               dtype=torch.float32)  # fmt: skip
-    length = q.shape[1]
-    if window_steps is None:
-        window_steps = pipeline_window_steps(length, layout.n_seqs, q.device, CHUNK)
-    if window_steps:  # kernel 1 and the recurrence in time windows, overlapped
-        run_pipelined(step, initial_state, cu_seqlens, length, o, final_state,
-                      saved.chunk_states, window_steps)  # fmt: skip
-    else:
-        for launch in step.launches():
-            launch.run()
-        scan_saved(saved, initial_state, cu_seqlens, layout, o, final_state)
+    scan_saved(saved, initial_state, cu_seqlens, layout, o, final_state)
     return o, final_state, saved if keep_rows else saved[: -len(ROWS)]
 
 

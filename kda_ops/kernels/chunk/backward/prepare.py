@@ -21,7 +21,6 @@ from kda_ops.kernels.chunk.backward.layout import Layout
 from kda_ops.kernels.chunk.backward.saved import SavedForBackward, empty_saved
 from kda_ops.kernels.chunk.device import CHUNK_BLOCKS
 from kda_ops.kernels.chunk.launch import scan_chunks
-from kda_ops.kernels.chunk.pipeline import PrepareStep
 from kda_ops.kernels.chunk.prepare import prepare_chunks
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
@@ -30,14 +29,14 @@ from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 @triton.jit
 def chunk_bwd_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-    scale, lower_bound, length, n_seqs, window_first,
+    scale, lower_bound, length, n_seqs,
     cum_g, w, u, qg, kd, aqk, solve, chunk_decay, q_norm, k_norm, unbounded, redo,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BN: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHUNKS: tl.constexpr, WINDOW: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """The forward's prepare (``prepare_chunks``: w, qg, kd in q's dtype, u in v's, the
     chunk's total log-decay) with what the backward also reads, for the tokens of chunk
@@ -48,15 +47,12 @@ def chunk_bwd_prepare_kernel(
     read a row a block of key columns at a time; without the safe gate, at
     ``unbounded[i_c, i_hv]`` (int8) whether a row block of the chunk decays past the pairs
     kernel's dense limit in some channel. ``redo`` and ``CHUNKS``: the forward's two
-    launches without the safe gate (``chunk/prepare.py``); ``window_first`` and
-    ``WINDOW``: the training forward's time windows (``chunk/pipeline.py``), as the
-    forward's prepare kernel takes them."""
+    launches without the safe gate (``chunk/prepare.py``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, window_first, chunk_decay, w, u, qg, kd, aqk,
-                   redo, cum_g, solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN,
-                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, CHUNK_BLOCKS,
-                   WINDOW)  # fmt: skip
+                   lower_bound, length, n_seqs, 0, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
+                   solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
+                   USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, CHUNK_BLOCKS)  # fmt: skip
 
 
 def prepare_backward(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
@@ -64,19 +60,8 @@ def prepare_backward(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
                      with_g: bool = True) -> SavedForBackward:  # fmt: skip
     """Kernel 1 on contiguous inputs (arguments as ``launch_chunk_kda``'s), storing G only
     ``with_g``."""
-    step, saved = plan_backward_prepare(inputs, cu_seqlens, options, layout, with_g)
-    for launch in step.launches():
-        launch.run()
-    return saved
-
-
-def plan_backward_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
-                          options: DeltaRuleOptions, layout: Layout,
-                          with_g: bool = True) -> tuple[PrepareStep, SavedForBackward]:  # fmt: skip
-    """Kernel 1's :class:`PrepareStep` (``prepare_backward``'s arguments) and the
-    ``SavedForBackward`` it writes, allocated."""
     q, k, v, g, beta, A_log, dt_bias = inputs
-    lower_bound = options.lower_bound
+    scale, lower_bound = options.scale, options.lower_bound
     _, length, heads, head_k = q.shape
     value_heads = v.shape[2]
     saved = empty_saved(q, v, layout.n_chunks, with_g)
@@ -89,25 +74,17 @@ def plan_backward_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     if not layout.flags["SAFE_GATE"]:
         passes, flagged = ("bounded", "unbounded"), saved.unbounded
         redo = torch.empty_like(flagged)
-    args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-        chunk_offsets=layout.chunk_offsets, scale=options.scale,
-        lower_bound=0.0 if lower_bound is None else lower_bound, length=length,
-        n_seqs=layout.n_seqs, cum_g=saved.cum_g, w=saved.w, u=saved.u, qg=saved.qg,
-        kd=saved.kd, aqk=saved.aqk, solve=saved.solve, chunk_decay=saved.chunk_decay,
-        q_norm=saved.q_norm, k_norm=saved.k_norm, unbounded=flagged, redo=redo,
-        H=heads, HV=value_heads, K=head_k, V=v.shape[3], BK=layout.block_k,
-        BV=layout.block_v, BN=next_power_of_2(layout.n_seqs), **layout.flags,
-        num_warps=layout.warps,
-    )  # fmt: skip
-    written = {"cum_g": saved.cum_g, "unbounded": flagged, "redo": redo}
-    writes = ("w", "u", "qg", "kd", "aqk", "solve", "chunk_decay", "q_norm", "k_norm",
-              *(name for name, tensor in written.items() if tensor is not None))  # fmt: skip
-    intermediates = (saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.chunk_decay)
-    step = PrepareStep(chunk_bwd_prepare_kernel, args, passes, writes, layout.n_chunks,
-                       layout.n_seqs, value_heads, intermediates, layout.chunk_offsets,
-                       layout.flags["DOT_PRECISION"])  # fmt: skip
-    return step, saved
+    for chunks in passes:
+        chunk_bwd_prepare_kernel[(layout.n_chunks, value_heads)](
+            q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, scale,
+            0.0 if lower_bound is None else lower_bound, length, layout.n_seqs,
+            saved.cum_g, saved.w, saved.u, saved.qg, saved.kd, saved.aqk, saved.solve,
+            saved.chunk_decay, saved.q_norm, saved.k_norm, flagged, redo,
+            H=heads, HV=value_heads, K=head_k, V=v.shape[3], BK=layout.block_k,
+            BV=layout.block_v, BN=next_power_of_2(layout.n_seqs), **layout.flags,
+            CHUNKS=chunks, num_warps=layout.warps,
+        )  # fmt: skip
+    return saved
 
 
 def scan_saved(saved: SavedForBackward, initial_state: Optional[Tensor],
