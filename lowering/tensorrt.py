@@ -253,7 +253,7 @@ def _chunk_prepare_constexprs(config: Mapping[str, object]) -> dict[str, object]
         HAS_DT_BIAS=base["HAS_DT_BIAS"], USE_LOWER_BOUND=base["USE_LOWER_BOUND"],
         SAFE_GATE=safe, USE_L2NORM=base["USE_L2NORM"], USE_BETA_SIGMOID=base["USE_BETA_SIGMOID"],
         IS_VARLEN=False, DOT_PRECISION=precision, CHUNKS="all",
-        BLOCKS=FORWARD_CHUNK // BLOCK.value,
+        BLOCKS=FORWARD_CHUNK // BLOCK.value, window_first=0, WINDOW=0,
     )  # fmt: skip
 
 
@@ -261,7 +261,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
     block_k, block_v, precision = _chunk_blocks(config)
     split_v = min(block_v, 64)
     itemsize = getattr(torch, config.get("dtype") or "float32").itemsize
-    return dict(first_head=0, HV=config["value_heads"], K=config["head_k"],
+    return dict(first_head=0, window_begin=0, WINDOW_STEPS=0, HV=config["value_heads"],
+                K=config["head_k"],
                 V=config["head_v"], WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 STEP=FORWARD_CHUNK, HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,

@@ -184,6 +184,37 @@ def test_chunk_recurrence_in_segments_against_float64_reference(segments):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_chunk_pipelined_windows_match_one_pass(varlen):
+    """The forward in time windows on two streams (what ``launch_chunk_kda`` plans at T =
+    8192) gives the one pass's outputs and states, eagerly and replayed from a CUDA graph
+    (the streams forked and joined inside the capture); packed sequences in explicit
+    windows."""
+    from kda_ops.kernels.chunk.launch import launch_chunk_kda
+    from kda_ops.kernels.chunk.planning import pipeline_window_steps
+
+    x, _ = chunk_inputs(8192, 4, -5.0)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    cu_seqlens = None
+    if varlen:
+        cu_seqlens = torch.tensor([0, 100, 300, 1200, 3000, 4096, 8192], device="cuda",
+                                  dtype=torch.int32)  # fmt: skip
+    state = torch.randn(1 if cu_seqlens is None else 6, 4, 128, 128, device="cuda")
+    args = grouped(*(x[n] for n in names), state, cu_seqlens, 128**-0.5, -5.0, True, True)
+    packed = cu_seqlens is not None
+    assert pipeline_window_steps(8192, packed, torch.device("cuda")) == (0 if packed else 256)
+    o_one, final_one = launch_chunk_kda(*args, window_steps=0)
+    windows = dict(window_steps=128 if packed else None)
+    o, final = launch_chunk_kda(*args, **windows)  # compiles before the capture too
+    assert relative_error(o, o_one) < 1e-6 and relative_error(final, final_one) < 1e-6
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_o, captured_final = launch_chunk_kda(*args, **windows)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured_o, o) and torch.equal(captured_final, final)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_chunk_states_against_float64_reference(varlen):
     """STORE_CHUNK_STATES on the GPU: bf16 inputs, the chunk-start states of the Triton
     recurrence against the float64 reference's; the unused varlen rows stay zero."""

@@ -15,8 +15,10 @@ prepare program holds one block and takes about half the registers of the 64-tok
 cost less than that saves (``benchmarks/results/forward_chunk16.json``; design notes in
 ``benchmarks/README.md``).
 
-``launch.py`` launches the two (``launch_chunk_kda``); ``planning.py`` picks the
-launches' flags and sizes; ``segments.py`` runs a long sequence's recurrence in segments;
+``launch.py`` launches the two (``launch_chunk_kda``), one after the other or, for long
+sequences, in time windows that overlap one window's recurrence with the next one's
+prepare (``pipeline.py``); ``planning.py`` picks the launches' flags and sizes;
+``segments.py`` runs a long sequence's recurrence in segments;
 ``device.py`` holds the device functions the forward's and the backward's kernels share.
 
 Both kernels order their parameters inputs → scalars → outputs and write every output

@@ -30,6 +30,16 @@ def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexp
     """(first token of chunk i_c, tokens left in its sequence from there), both int64, for
     chunks of C tokens (``chunk_offsets`` numbering them); none left for the programs of
     the varlen grid's upper bound that have no chunk."""
+    start, remaining, _ = _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                  IS_VARLEN, C)  # fmt: skip
+    return start, remaining
+
+
+@triton.jit
+def _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
+            IS_VARLEN: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    """``locate_chunk``'s (first token, tokens left) and the chunk's number in its
+    sequence."""
     # One return after a constexpr if/else: Triton 3.6 type-checks every return it
     # reaches, and code after an early `return` inside a constexpr branch is reached.
     if IS_VARLEN:
@@ -40,14 +50,47 @@ def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexp
         first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
         bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
         eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
-        start = bos + (i_c - first_chunk).to(tl.int64) * C
+        local = i_c - first_chunk
+        start = bos + local.to(tl.int64) * C
         remaining = tl.where(valid, eos - start, 0)
     else:
         n_chunks = tl.cdiv(length, C)
         seq = i_c // n_chunks
-        start = seq.to(tl.int64) * length + (i_c % n_chunks).to(tl.int64) * C
+        local = i_c % n_chunks
+        start = seq.to(tl.int64) * length + local.to(tl.int64) * C
         remaining = (seq + 1).to(tl.int64) * length - start
-    return start, remaining
+    return start, remaining, local
+
+
+@triton.jit
+def program_chunk(window_first, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, C: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """(global number, first token, tokens left in its sequence from there) of this token-
+    parallel program's chunk of C tokens. ``WINDOW`` = 0: the chunk numbered as the
+    program (``locate_chunk``). Else only chunks ``[window_first, window_first + WINDOW)``
+    of each sequence (the pipelined forward's time windows, ``launch.py``): at fixed
+    length ``WINDOW`` programs a sequence; packed, the programs of the grid over every
+    chunk whose chunk lies outside get none (sequences times ``WINDOW`` programs could be
+    many more than chunks)."""
+    pid = tl.program_id(0)
+    if WINDOW == 0:
+        i_c = pid
+        start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                        IS_VARLEN, C)  # fmt: skip
+    elif IS_VARLEN:
+        i_c = pid
+        start, remaining, local = _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
+                                          IS_VARLEN, C)  # fmt: skip
+        inside = (local >= window_first) & (local < window_first + WINDOW)
+        remaining = tl.where(inside, remaining, 0)
+    else:
+        i_n = pid // WINDOW
+        c = window_first + pid % WINDOW
+        n_chunks = tl.cdiv(length, C)
+        i_c = i_n * n_chunks + c
+        start = i_n.to(tl.int64) * length + c.to(tl.int64) * C
+        remaining = tl.where(c < n_chunks, (i_n + 1).to(tl.int64) * length - start, 0)
+    return i_c, start, remaining
 
 
 @triton.jit

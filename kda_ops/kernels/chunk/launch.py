@@ -1,6 +1,7 @@
 """The chunked forward's launcher: the prepare kernel (once with the safe gate, else its
 bounded and unbounded launches; ``prepare.py``), then the recurrence over the chunks
-(``recurrence.py``), in one scan per sequence or in segments (``segments.py``).
+(``recurrence.py``), in one scan per sequence, in segments (``segments.py``) or, for long
+sequences, both in time windows on two streams (``pipeline.py``).
 
 The prepare's chunks and the recurrence's steps are ``FORWARD_CHUNK`` = 16 tokens (the
 package docstring says why). Varlen needs no host sync: chunks are numbered per sequence on
@@ -15,11 +16,16 @@ from torch import Tensor
 from kda_ops import arguments
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.device import BLOCK
-from kda_ops.kernels.chunk.planning import dot_block, prepare_flags, prepare_warps
-from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
+from kda_ops.kernels.chunk.pipeline import PrepareStep, run_pipelined
+from kda_ops.kernels.chunk.planning import (
+    dot_block,
+    pipeline_window_steps,
+    prepare_flags,
+    prepare_warps,
+)
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
-from kda_ops.kernels.launches import KernelLaunch, LaunchPlan
+from kda_ops.kernels.launches import LaunchPlan
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
@@ -38,12 +44,12 @@ def chunk_plan(
     the prepare kernel's, then :func:`recurrence_launches`. Results ``"o"`` and
     ``"final_state"``; :func:`launch_chunk_kda` says what they hold and what the arguments
     are. Plans from symbolic shapes too (a traced graph)."""
-    launches, intermediates, chunk_offsets, precision = _prepare_launches(inputs, cu_seqlens,
-                                                                          options)  # fmt: skip
+    prepare = plan_prepare(inputs, cu_seqlens, options)
     o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
-    launches += recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
-                                    inputs.q.shape[1], o, final_state, chunk_states,
-                                    precision)  # fmt: skip
+    launches = prepare.launches() + recurrence_launches(
+        prepare.intermediates, initial_state, cu_seqlens, prepare.chunk_offsets,
+        inputs.q.shape[1], o, final_state, chunk_states, prepare.precision,
+    )  # fmt: skip
     return LaunchPlan(tuple(launches), {"o": o, "final_state": final_state})
 
 
@@ -55,6 +61,7 @@ def launch_chunk_kda(
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
     segments: Optional[int] = None,
+    window_steps: Optional[int] = None,
 ) -> tuple[Optional[Tensor], Tensor]:
     """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
     ``output=False``, which skips the output products) and the fp32 final state.
@@ -70,30 +77,37 @@ def launch_chunk_kda(
 
     ``segments``: how many segments the recurrence of each sequence runs in
     (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
-    lets :func:`recurrence_segments` choose from the shapes."""
+    lets :func:`recurrence_segments` choose from the shapes. ``window_steps``: with one
+    segment, the 16-token steps of a time window of the pipelined forward
+    (``pipeline.py``), 0 for one pass over the sequences; ``None`` lets
+    :func:`pipeline_window_steps` choose."""
     batch, length, value_heads, head_v = inputs.v.shape
+    device = inputs.q.device
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens,
-                                       inputs.q.device)  # fmt: skip
-    if segments == 1:
+        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
+    if window_steps is None:
+        window_steps = pipeline_window_steps(length, cu_seqlens is not None, device)
+    if segments == 1 and window_steps == 0:
         results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
                              output).run()  # fmt: skip
         return results["o"], results["final_state"]
-    launches, intermediates, _, precision = _prepare_launches(inputs, cu_seqlens, options)
-    for launch in launches:
-        launch.run()
+    prepare = plan_prepare(inputs, cu_seqlens, options)
     o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
-    segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
-                         final_state, chunk_states, precision)  # fmt: skip
+    if segments > 1:
+        for launch in prepare.launches():
+            launch.run()
+        segmented_recurrence(prepare.intermediates, initial_state, batch, length, segments, o,
+                             final_state, chunk_states, prepare.precision)  # fmt: skip
+    else:
+        run_pipelined(prepare, initial_state, cu_seqlens, length, o, final_state, chunk_states,
+                      window_steps)  # fmt: skip
     return o, final_state
 
 
-def _prepare_launches(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
-                      options: DeltaRuleOptions):  # fmt: skip
-    """The prepare kernel's launches (once with the safe gate, else its bounded and
-    unbounded ones), the intermediates they write ``(w, u, qg, kd, aqk, chunk_decay)``,
-    the chunks' offsets of packed sequences (``None`` at fixed length) and the dot
-    precision."""
+def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
+                 options: DeltaRuleOptions) -> PrepareStep:  # fmt: skip
+    """The prepare kernel's :class:`PrepareStep` for ``inputs``, its intermediates
+    allocated."""
     q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
     chunk = FORWARD_CHUNK
     batch, length, heads, head_k = q.shape
@@ -131,10 +145,9 @@ def _prepare_launches(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
         BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
         BLOCKS=chunk // BLOCK.value, num_warps=prepare_warps(block_k),
     )  # fmt: skip
-    launches = [KernelLaunch(chunk_prepare_kernel, (n_chunks, value_heads),
-                             {**args, "CHUNKS": chunks}, writes)
-                for chunks in passes]  # fmt: skip
-    return launches, (w, u, qg, kd, aqk, chunk_decay), chunk_offsets, flags["DOT_PRECISION"]
+    return PrepareStep(args, passes, writes, n_chunks, n_seqs, value_heads,
+                       (w, u, qg, kd, aqk, chunk_decay), chunk_offsets,
+                       flags["DOT_PRECISION"])  # fmt: skip
 
 
 def _outputs(inputs, initial_state, cu_seqlens, output):

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import reference
+from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
@@ -41,6 +42,26 @@ def prepare_flags(
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+
+
+# Windows of the pipelined forward (``pipeline.py``) and the fewest tokens a window takes.
+# Two windows at H = 96: 0.92x one pass's time, four 0.94x, eight 1.41x; the varlen case
+# in four windows took 1.89x (``benchmarks/results/ab_pipelined_*.json``).
+PIPELINE_WINDOWS = 2
+MIN_WINDOW_TOKENS = 2048
+
+
+def pipeline_window_steps(length: int, packed: bool, device: torch.device) -> int:
+    """16-token steps of a window of the pipelined forward over sequences of ``length``
+    tokens, 0 for one pass: on CUDA, fixed-length sequences that hold ``PIPELINE_WINDOWS``
+    windows of ``MIN_WINDOW_TOKENS``, a ``PIPELINE_WINDOWS``-th of ``length``. Packed
+    sequences take one pass (they ran slower in windows); so does the interpreter (tests
+    ask for windows explicitly)."""
+    if device.type != "cuda" or packed or not isinstance(length, int):
+        return 0
+    if length < PIPELINE_WINDOWS * MIN_WINDOW_TOKENS:
+        return 0
+    return cdiv(cdiv(length, FORWARD_CHUNK), PIPELINE_WINDOWS)
 
 
 def dot_block(n: int) -> int:

@@ -41,7 +41,7 @@ from kda_ops.kernels.chunk.device import (
     block_cumsum,
     dyadic_level,
     inverse_norm,
-    locate_chunk,
+    program_chunk,
     tile_row,
     unit_rows,
 )
@@ -245,25 +245,30 @@ def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_
 @triton.jit
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-    scale, lower_bound, length, n_seqs,
+    scale, lower_bound, length, n_seqs, window_first,
     chunk_decay, w, u, qg, kd, aqk, unbounded,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
     SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCKS: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCKS: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
+    """A program a chunk and value head (grid: chunks × HV), or with ``WINDOW`` chunks
+    ``[window_first, window_first + WINDOW)`` of every sequence (grid: sequences ·
+    ``WINDOW`` × HV; ``program_chunk``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
-                   None, None, None, None, None, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
-                   USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, BLOCKS)  # fmt: skip
+                   lower_bound, length, n_seqs, window_first, chunk_decay, w, u, qg, kd, aqk,
+                   unbounded, None, None, None, None, None, H, HV, K, V, BK, BV, BN,
+                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
+                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, BLOCKS,
+                   WINDOW)  # fmt: skip
 
 
 @triton.jit
 def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, unbounded,
+                   lower_bound, length, n_seqs, window_first, chunk_decay, w, u, qg, kd, aqk,
+                   unbounded,
                    cum_g, solve, q_norm, k_norm, pair_limits,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
@@ -272,17 +277,18 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                    SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
                    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-                   BLOCKS: tl.constexpr):  # fmt: skip
+                   BLOCKS: tl.constexpr, WINDOW: tl.constexpr = 0):  # fmt: skip
     """The body of a prepare program (a chunk of ``BLOCKS`` row blocks, a value head), for
     ``chunk_prepare_kernel`` and, with the backward's extra outputs (``cum_g`` ...
     ``pair_limits``, or all ``None``; ``cum_g`` alone may be ``None``, when the backward
     rebuilds G), for the backward's prepare kernel: which chunks a launch prepares is
     ``CHUNKS`` (module docstring), ``unbounded`` holding the flags between a "bounded"
     and an "unbounded" launch."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length,
-                                     BN, IS_VARLEN, BLOCKS * BLOCK)  # fmt: skip
+    i_c, start, remaining = program_chunk(window_first, cu_seqlens, chunk_offsets, n_seqs,
+                                          length, BN, IS_VARLEN, BLOCKS * BLOCK,
+                                          WINDOW)  # fmt: skip
     if remaining > 0:
         # fmt: off
         if CHUNKS == "unbounded":

@@ -9,7 +9,11 @@ forward's chunk states), with the fp32 state S in registers: ``v_new = u - w S``
 memory only when asked (``STORE_CHUNK_STATES``: the state at each 64-token chunk start,
 what a prefix cache stores and what the backward reads, ``[n_chunks, HV, K, V]`` at the
 chunk's global number, every ``64 // STEP``-th step). Extra state columns past V
-(``WIDTH``) carry the transition map that ``segments.py`` composes.
+(``WIDTH``) carry the transition map that ``segments.py`` composes. With ``WINDOW_STEPS``
+a launch walks steps ``[window_begin, window_begin + WINDOW_STEPS)`` of each sequence
+only, from the state in ``initial_state`` (the previous window's ``final_state``, the same
+buffer): the pipelined forward's time windows (``pipeline.py``); a step's number is the
+sequence's, so each chunk state is stored once, in the window holding its step.
 
 At 16-token steps a program takes under 256 registers at 4 warps and a quarter of the
 64-token step's shared memory, so two share an SM (``scan_residency``): at H = 96 all 192
@@ -30,16 +34,24 @@ from kda_ops.reference import longest_first
 @triton.jit
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_chunks,
-    sequence_order, length, first_head, o, final_state, chunk_states,
+    sequence_order, length, first_head, window_begin, o, final_state, chunk_states,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, STEP: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
+    WINDOW_STEPS: tl.constexpr,
 ):  # fmt: skip
     i_v, i_rank = value_block_program(WIDTH, BV)
     i_n, i_hv, i_nh = scan_program(first_head + i_rank, sequence_order, HV, IS_VARLEN)
     bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
                                              STEP)  # fmt: skip
+    steps_begin = 0
+    steps_end = tl.cdiv(seq_len, STEP)
+    if WINDOW_STEPS > 0:  # a time window: the state comes in and goes out through memory
+        if window_begin > 0 and window_begin >= steps_end:
+            return  # the sequence ended in an earlier window, which stored its state
+        steps_begin = window_begin
+        steps_end = tl.minimum(steps_end, window_begin + WINDOW_STEPS)
     # Chunk states are the states at 64-token chunk starts, every STEPS_A_CHUNK-th step.
     STEPS_A_CHUNK: tl.constexpr = 64 // STEP
     if STEPS_A_CHUNK == 1:
@@ -63,7 +75,7 @@ def chunk_recurrence_kernel(
         state += tl.where(offs_k[:, None] == offs_v[None, :] - V, 1.0, 0.0)
 
     rows = tl.arange(0, STEP)
-    for c in tl.range(0, tl.cdiv(seq_len, STEP), num_stages=STAGES):
+    for c in tl.range(steps_begin, steps_end, num_stages=STAGES):
         tokens = bos + c * STEP + rows
         in_seq = c * STEP + rows < seq_len
         token_offsets = (tokens * HV + i_hv)[:, None]
@@ -101,13 +113,15 @@ def chunk_recurrence_kernel(
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
-                        final_state, chunk_states, precision) -> list[KernelLaunch]:  # fmt: skip
+                        final_state, chunk_states, precision,
+                        window: tuple[int, int] = (0, 0)) -> list[KernelLaunch]:  # fmt: skip
     """The launches of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
     (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
     symbolic sequence count (a graph traced for any batch) one launch at the value columns
     of a batch that fills the SMs: the split of value columns and of waves
     (``scan_plan``) compares the count with the SM count. Packed
-    sequences are taken longest first (``longest_first``)."""
+    sequences are taken longest first (``longest_first``). ``window``: (first step, steps)
+    of a time window (the kernel's ``WINDOW_STEPS``), or (0, 0): whole sequences."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     step = aqk.shape[-1]  # tokens a step: the prepare's chunk
     state_chunks = chunk_offsets  # chunk_offsets of the 64-token chunks of the states
@@ -127,13 +141,14 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
             w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
             state_chunks=state_chunks, sequence_order=sequence_order, length=length,
-            first_head=first_head, o=o, final_state=final_state, chunk_states=chunk_states,
+            first_head=first_head, window_begin=window[0], o=o, final_state=final_state,
+            chunk_states=chunk_states,
             HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
             STEP=step,
             HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
-            STAGES=stages, num_warps=scan_warps(block_k),
+            STAGES=stages, WINDOW_STEPS=window[1], num_warps=scan_warps(block_k),
         ), writes)
         for first_head, heads, split_v, stages in launches
     ]  # fmt: skip

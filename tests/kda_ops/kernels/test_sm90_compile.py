@@ -52,20 +52,22 @@ PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=Fals
 
 def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width: int = 128,
                store_output: bool = True, store_states: bool = False,
-               step: int = FORWARD_CHUNK) -> tuple:  # fmt: skip
+               step: int = FORWARD_CHUNK, window_steps: int = 0) -> tuple:  # fmt: skip
     """``chunk_recurrence_kernel`` as ``recurrence_launches`` launches it (K = V = 128) with
     inputs of ``dtype`` and Aqk of ``aqk`` in steps of ``step`` tokens (the forward's; 64
-    for the training forward's); ``width`` 256 is the segmented path's maps pass."""
+    for the training forward's); ``width`` 256 is the segmented path's maps pass;
+    ``window_steps`` > 0 the pipelined forward's time windows."""
     size = {"bf16": 2, "fp32": 4}
     stages = scan_stages(128, value_columns, size[dtype], size[aqk], store_output,
                          SM90_SHARED_MEMORY, step)  # fmt: skip
     constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns, STEP=step,
-                      HAS_INITIAL_STATE=False, IS_VARLEN=False,
+                      HAS_INITIAL_STATE=window_steps > 0, IS_VARLEN=False,
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
-                      STAGES=stages)  # fmt: skip
+                      STAGES=stages, WINDOW_STEPS=window_steps)  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
-    return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, {**types, "aqk": f"*{aqk}"}
+    types.update(aqk=f"*{aqk}", initial_state="*fp32", final_state="*fp32")
+    return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, types
 
 
 def ds_scan(value_columns: int) -> tuple:
@@ -97,6 +99,8 @@ SCANS = {
     "chunk_recurrence_kernel/chunk_states": recurrence(64, store_states=True),
     "chunk_recurrence_kernel/fp32": recurrence(64, "fp32", "fp32"),
     "chunk_recurrence_kernel/maps": recurrence(64, width=256, store_output=False),
+    # the pipelined forward: a time window of 128 steps from the carried state
+    "chunk_recurrence_kernel/window": recurrence(64, window_steps=128),
     # 32 columns: the heads past the first wave at H = 96 (``scan_launches``)
     **{f"chunk_bwd_state_kernel/columns={n}": ds_scan(n) for n in (32, 64, 128)},
 }
@@ -134,9 +138,15 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
     **{  # the forward's prepare, 16-token chunks
         f"chunk_prepare_kernel/{chunks}": ("chunk.prepare", "chunk_prepare_kernel",
                                            dict(PREPARE, SAFE_GATE=safe, USE_LOWER_BOUND=safe,
-                                                CHUNKS=chunks, BLOCKS=FORWARD_CHUNK // 16))
+                                                CHUNKS=chunks, BLOCKS=FORWARD_CHUNK // 16,
+                                                WINDOW=0))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
+    # the pipelined forward's prepare: 128 chunks of every sequence
+    "chunk_prepare_kernel/window": ("chunk.prepare", "chunk_prepare_kernel",
+                                    dict(PREPARE, SAFE_GATE=True, USE_LOWER_BOUND=True,
+                                         CHUNKS="all", BLOCKS=FORWARD_CHUNK // 16,
+                                         WINDOW=128)),
     **{  # the backward's prepare: the forward's program with its extra outputs
         f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
                                                dict(PREPARE, SAFE_GATE=safe,
@@ -188,6 +198,7 @@ ARG_TYPES = {"state_indices": "*i32", "cu_seqlens": "*i32", "grad_z": "*fp32",
              "dt_bias": "*fp32", "out": "*fp32", "length": "i32", "first_head": "i32",
              "n_seqs": "i32",
              "n_rows": "i32", "batch": "i32", "lower_bound": "fp32", "scale": "fp32",
+             "window_first": "i32", "window_begin": "i32",
              "chunk_offsets": "*i32", "state_chunks": "*i32", "sequence_order": "*i64",
              "cum_g": "*fp32", "aqk": "*fp32", "solve": "*fp32",
              "chunk_decay": "*fp32", "q_norm": "*fp32", "k_norm": "*fp32",
@@ -229,7 +240,7 @@ def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
     constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns, STEP=step,
                       HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
                       DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
-                      STORE_OUTPUT=not maps, STAGES=stages)  # fmt: skip
+                      STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0)  # fmt: skip
     types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
     types.update(initial_state="*fp32", final_state="*fp32")
     return ("chunk.recurrence", "chunk_recurrence_kernel", constexprs, types,
@@ -277,7 +288,7 @@ def prepare(head_k: int, head_v: int, backward: bool, safe: bool) -> tuple:
     module, kernel = (("chunk.backward.prepare", "chunk_bwd_prepare_kernel") if backward
                       else ("chunk.prepare", "chunk_prepare_kernel"))  # fmt: skip
     if not backward:  # the forward's 16-token chunks (the backward's program takes 64)
-        constexprs["BLOCKS"] = FORWARD_CHUNK // 16
+        constexprs.update(BLOCKS=FORWARD_CHUNK // 16, WINDOW=0)
     return module, kernel, constexprs, {}, {"num_warps": prepare_warps(block_k)}
 
 
@@ -438,6 +449,7 @@ def test_scans_run_ahead_where_they_fit():
                       "chunk_recurrence_kernel/chunk_states": 3,
                       "chunk_recurrence_kernel/fp32": 3,
                       "chunk_recurrence_kernel/maps": 3,
+                      "chunk_recurrence_kernel/window": 3,
                       "chunk_bwd_state_kernel/columns=32": 3,
                       "chunk_bwd_state_kernel/columns=64": 3,
                       "chunk_bwd_state_kernel/columns=128": 2}  # fmt: skip

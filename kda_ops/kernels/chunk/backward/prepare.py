@@ -49,7 +49,7 @@ def chunk_bwd_prepare_kernel(
     kernel's dense limit in some channel. ``redo`` and ``CHUNKS``: the forward's two
     launches without the safe gate (``chunk/prepare.py``)."""
     prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
+                   lower_bound, length, n_seqs, 0, chunk_decay, w, u, qg, kd, aqk, redo, cum_g,
                    solve, q_norm, k_norm, unbounded, H, HV, K, V, BK, BV, BN, SCALAR_GATE,
                    USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
                    USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, CHUNK_BLOCKS)  # fmt: skip
