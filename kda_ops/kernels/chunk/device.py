@@ -111,9 +111,11 @@ def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexp
 
 @triton.jit
 def value_block_program(V: tl.constexpr, BV: tl.constexpr):
-    """(value block, sequence-head) of a program of a one-dimensional grid that walks the
-    value blocks of each sequence-head in turn. One axis, because a grid's second and third
-    extents stop at 65535: a batch of 2048 sequences at 32 value heads would not launch."""
+    """(block, row) of a program of a one-dimensional grid that walks the BV-wide blocks of
+    V columns of each row in turn: the value blocks of a sequence-head in the scans, the
+    channel blocks of a sequence in the conv decode step. One axis, because a grid's second
+    and third extents stop at 65535: a batch of 2048 sequences at 32 value heads would not
+    launch."""
     blocks: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     return pid % blocks, pid // blocks

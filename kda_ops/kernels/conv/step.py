@@ -12,19 +12,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kda_ops.kernels.chunk.device import value_block_program
 from kda_ops.kernels.conv.device import state_slot
 from kda_ops.kernels.fast_exp import fast_sigmoid
 from kda_ops.kernels.launches import KernelLaunch
 from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
-
-
-@triton.jit
-def _step_program(CHANNEL_BLOCKS: tl.constexpr):
-    """(channel block, sequence block) of a step program: a one-dimensional grid, the
-    channel blocks of a sequence block consecutive, because a grid's second extent stops
-    at 65535 (a decode batch of 65536 sequences would not launch)."""
-    pid = tl.program_id(0)
-    return pid % CHANNEL_BLOCKS, pid // CHANNEL_BLOCKS
 
 
 @triton.jit
@@ -38,7 +30,7 @@ def conv_step_kernel(
     in transformers' and Mamba's): the row is the S kept inputs, then x, and the window
     its last W entries. Reads the state once, writes y and the row's last S entries as the
     new state. Each program owns its channels of one slot, so state_out may be state_in."""
-    i_d, i_n = _step_program((D + BD - 1) // BD)
+    i_d, i_n = value_block_program(D, BD)  # one grid axis: batches past 65535 launch
     cols = i_d * BD + tl.arange(0, BD)
     taps = tl.arange(0, BW)
     mask_d = cols < D
@@ -151,7 +143,7 @@ def conv_step_w4_kernel(
     * NB)``, which share the weights it loads once; a slot's base is the only 64-bit
     product, offsets inside it are int32.
     """
-    i_d, i_p = _step_program((D // 8 + BG - 1) // BG)
+    i_d, i_p = value_block_program(D // 8, BG)
     groups = i_d * BG + tl.arange(0, BG)
     lanes = tl.arange(0, 8)
     cols = groups[:, None] * 8 + lanes[None, :]  # [BG, 8] channels
