@@ -43,16 +43,22 @@ def _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
     # One return after a constexpr if/else: Triton 3.6 type-checks every return it
     # reaches, and code after an early `return` inside a constexpr branch is reached.
     if IS_VARLEN:
+        # Every bound loaded at once and the chunk's picked from them, so that a program
+        # waits for one round trip to memory before its own loads, not for two (the
+        # sequence's index, then its bounds at that index).
         seqs = tl.arange(0, BN)
-        ends = tl.load(chunk_offsets + 1 + seqs, mask=seqs < n_seqs, other=2**31 - 1)
-        seq = tl.sum((ends <= i_c).to(tl.int32))
-        valid = seq < n_seqs
-        first_chunk = tl.load(chunk_offsets + seq, mask=valid, other=0)
-        bos = tl.load(cu_seqlens + seq, mask=valid, other=0).to(tl.int64)
-        eos = tl.load(cu_seqlens + seq + 1, mask=valid, other=0).to(tl.int64)
+        in_batch = seqs < n_seqs
+        ends = tl.load(chunk_offsets + 1 + seqs, mask=in_batch, other=2**31 - 1)
+        starts = tl.load(cu_seqlens + seqs, mask=in_batch, other=0)
+        stops = tl.load(cu_seqlens + 1 + seqs, mask=in_batch, other=0)
+        before = ends <= i_c  # the sequences whose chunks all come before chunk i_c
+        seq = tl.sum(before.to(tl.int32))
+        first_chunk = tl.max(tl.where(before, ends, 0))
+        bos = tl.sum(tl.where(seqs == seq, starts, 0)).to(tl.int64)
+        eos = tl.sum(tl.where(seqs == seq, stops, 0)).to(tl.int64)
         local = i_c - first_chunk
         start = bos + local.to(tl.int64) * C
-        remaining = tl.where(valid, eos - start, 0)
+        remaining = tl.where(seq < n_seqs, eos - start, 0)
     else:
         n_chunks = tl.cdiv(length, C)
         seq = i_c // n_chunks
