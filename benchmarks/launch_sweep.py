@@ -165,10 +165,11 @@ def sweep_recurrence(x: Inputs):
         grid = (DIM // columns * x.heads,)
         yield f"recurrence, {columns} value columns, {warps} warps, {stages} stages", partial(
             chunk_recurrence_kernel[grid],
-            w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, o,
+            w, u, qg, kd, aqk, chunk_decay, None, None, None, None, None, x.length, 0, 0, o,
             final_state, None, HV=x.heads, K=DIM, V=DIM, WIDTH=DIM, BK=DIM, BV=columns,
             STEP=CHUNK, HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
-            STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, num_warps=warps,
+            STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, WINDOW_STEPS=0,
+            num_warps=warps,
         )  # fmt: skip
 
 
