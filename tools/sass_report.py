@@ -1,7 +1,9 @@
 """What a kernel compiles to for sm_90, on a machine without a GPU: registers, shared
-memory, local-memory spills, the SASS instruction mix, and, by source line, the
-shared-memory bytes a thread moves and the barriers it waits at (where Triton converts a
-tile between layouts, or stages a dot operand, it goes through shared memory).
+memory, spills (the thread's stack frame, where ptxas puts the registers it spills, and
+the local-memory loads and stores that move them), the SASS instruction mix, and, by
+source line, the shared-memory bytes a thread moves and the barriers it waits at (where
+Triton converts a tile between layouts, or stages a dot operand, it goes through shared
+memory).
 
 Kernels as their launchers configure them: the variants of
 ``tests/kda_ops/kernels/test_sm90_compile.py``, by name (``--list``). The counts are
@@ -97,6 +99,13 @@ def shared_bytes(opcode: str, modifiers: str) -> int:
     return 16 if ".128" in modifiers else 8 if ".64" in modifiers else 4
 
 
+def resource_usage(text: str) -> dict[str, int]:
+    """Registers and stack bytes a thread (``reg``, ``stack``) from ``cuobjdump
+    -res-usage``'s line. Spilled registers go to the stack frame: cuobjdump's ``LOCAL``
+    stays 0 for them."""
+    return {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", text)}
+
+
 def report(cubin: bytes, shared: int) -> dict:
     """The static counts of a compiled kernel (module docstring)."""
     with tempfile.TemporaryDirectory() as folder:
@@ -106,7 +115,7 @@ def report(cubin: bytes, shared: int) -> dict:
                                capture_output=True, text=True).stdout  # fmt: skip
         sass = subprocess.run([_tool("nvdisasm"), "-c", "-g", path], check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
-    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|LOCAL):(\d+)", usage)}
+    resources = resource_usage(usage)
     opcodes = collections.Counter()
     by_line = collections.defaultdict(lambda: {"shared_bytes": 0, "barriers": 0})
     where = "?"
@@ -127,7 +136,8 @@ def report(cubin: bytes, shared: int) -> dict:
     lines = dict(sorted(by_line.items(), key=lambda item: -item[1]["shared_bytes"]))
     return {
         "registers": resources.get("reg"),
-        "spill_bytes": resources.get("local"),
+        "stack_bytes": resources.get("stack"),
+        "spill_instructions": opcodes["LDL"] + opcodes["STL"],
         "shared_memory": shared,
         "instructions": sum(opcodes.values()),
         "shared_bytes_a_thread": sum(line["shared_bytes"] for line in lines.values()),
@@ -157,7 +167,8 @@ def main() -> None:
     reports = {}
     for name in args.variants:
         reports[name] = found = report(*compile_cubin(*table[name]))
-        print(f"{name}: {found['registers']} registers, {found['spill_bytes']} spill bytes, "
+        print(f"{name}: {found['registers']} registers, {found['stack_bytes']} stack bytes "
+              f"({found['spill_instructions']} spill loads and stores), "
               f"{found['shared_memory']} shared bytes, {found['instructions']} instructions, "
               f"{found['barriers']} barriers, {found['shared_bytes_a_thread']} shared-memory "
               f"bytes a thread")  # fmt: skip

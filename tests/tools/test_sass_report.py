@@ -24,9 +24,18 @@ def test_shared_bytes(opcode, modifiers, expected):
     assert sass_report.shared_bytes(opcode, modifiers) == expected
 
 
+def test_resource_usage():
+    """Spills are read from the stack frame (ptxas's), not from cuobjdump's LOCAL, which
+    stays 0 for them (this line is the recurrence's at 128 value columns, sm_90)."""
+    line = ("Function chunk_recurrence_kernel:\n  REG:255 STACK:192 SHARED:1024 LOCAL:0 "
+            "CONSTANT[0]:672 TEXTURE:0 SURFACE:0 SAMPLER:0")  # fmt: skip
+    assert sass_report.resource_usage(line) == {"reg": 255, "stack": 192}
+
+
 def test_report_of_the_forward_prepare():
     """The forward's prepare kernel as launched, compiled in a process without the
-    interpreter: its counts add up, and its layout conversions show by source line."""
+    interpreter: its counts add up, and its layout conversions show by source line; it
+    does not spill."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = (
         "import json, sys; sys.path.insert(0, 'tools'); import sass_report as s; "
@@ -37,7 +46,7 @@ def test_report_of_the_forward_prepare():
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
     assert 0 < found["registers"] <= 255
-    assert found["spill_bytes"] == 0
+    assert found["stack_bytes"] == 0 and found["spill_instructions"] == 0
     assert found["instructions"] == sum(found["opcodes"].values())
     assert found["barriers"] == found["opcodes"]["BAR"] > 0
     lines = found["by_line"].values()
