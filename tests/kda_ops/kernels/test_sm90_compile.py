@@ -64,7 +64,8 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
                       HAS_INITIAL_STATE=window_steps > 0, IS_VARLEN=False,
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
-                      STAGES=stages, WINDOW_STEPS=window_steps)  # fmt: skip
+                      STAGES=stages, WINDOW_STEPS=window_steps,
+                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
     types.update(aqk=f"*{aqk}", initial_state="*fp32", final_state="*fp32")
     return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, types
@@ -240,7 +241,8 @@ def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
     constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns, STEP=step,
                       HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
                       DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
-                      STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0)  # fmt: skip
+                      STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0,
+                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
     types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
     types.update(initial_state="*fp32", final_state="*fp32")
     return ("chunk.recurrence", "chunk_recurrence_kernel", constexprs, types,
