@@ -56,18 +56,29 @@ PAIRS_DENSE_LIMIT = tl.constexpr(75.0)
 
 
 @triton.jit
-def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr):
+def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr):
     """(I + a)⁻¹ for a strictly lower-triangular [BLOCK, BLOCK] fp32 a. With m = -a
     nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
     six small dots instead of BLOCK dependent row updates. In ``DOT_PRECISION``: tf32 on
     tensor cores for bf16 / fp16 inputs (as the solve that uses the inverse), which moves
-    their output well under its rounding; fp32 inputs keep FMA ("ieee")."""
+    their output well under its rounding; fp32 inputs keep FMA ("ieee").
+
+    ``BOUNDED``: every |a_ij| <= 1 (unit keys and β <= 1, as l2norm and the β sigmoid in
+    the kernel make them), so every power's and partial product's entries stay under
+    2^14 (those of the all-ones strictly lower matrix, binomial coefficients) and the dots
+    take fp16 operands: tf32's 10-bit mantissa at half the bytes of the fp32 operands
+    staged through shared memory, which bounds the prepare kernel."""
     rows = tl.arange(0, BLOCK)
     power = -a
     inverse = (rows[:, None] == rows[None, :]).to(tl.float32) + power
     for _ in tl.static_range(LOG2_BLOCK - 1):
-        power = tl.dot(power, power, input_precision=DOT_PRECISION)
-        inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
+        if BOUNDED and DOT_PRECISION == "tf32":
+            half = power.to(tl.float16)
+            power = tl.dot(half, half)
+            inverse += tl.dot(inverse.to(tl.float16), power.to(tl.float16))
+        else:
+            power = tl.dot(power, power, input_precision=DOT_PRECISION)
+            inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
     return inverse
 
 
@@ -419,7 +430,7 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
             k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
             USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, C)
-        inverse = inverse_unit_lower(a_kk, DOT_PRECISION)
+        inverse = inverse_unit_lower(a_kk, DOT_PRECISION, USE_L2NORM and USE_BETA_SIGMOID)
         key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
         tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
         for j_b in tl.range(0, i_b, num_stages=1):
