@@ -247,10 +247,21 @@ def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
 @triton.jit
 def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
                  offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+                 DOT_PRECISION: tl.constexpr, HALF_W: tl.constexpr):  # fmt: skip
     """Stores a block's w, u rows: its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
-    eliminated right-hand sides, in the storage dtype (what the later blocks read back)."""
-    b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
+    eliminated right-hand sides, in the storage dtype (what the later blocks read back).
+
+    ``HALF_W``: w's product on fp16 operands, tf32's mantissa at half the bytes staged
+    through shared memory. For the forward's one-block chunks with l2norm and the β
+    sigmoid: no earlier block eliminated, the right-hand side β K Γ has entries of at
+    most 1 and the inverse (``inverse_unit_lower``'s bound) at most 2^14. u's, β V, has no
+    bound and keeps tf32 (in bf16, o's error against float64 grew from 3.79e-3 to 4.09e-3
+    in a torch emulation of the forward's roundings)."""
+    if HALF_W:
+        b_w = tl.dot(inverse.to(tl.float16), rhs_w.to(tl.float16))
+    else:
+        b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION)
+    b_w = b_w.to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
     key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
     value_rows, value_mask = _block_rows(start, remaining, i_b, i_hv, offs_v, mask_v, HV, V)
@@ -430,7 +441,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
             k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
             USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, C)
-        inverse = inverse_unit_lower(a_kk, DOT_PRECISION, USE_L2NORM and USE_BETA_SIGMOID)
+        bounded: tl.constexpr = USE_L2NORM and USE_BETA_SIGMOID
+        inverse = inverse_unit_lower(a_kk, DOT_PRECISION, bounded)
         key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
         tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
         for j_b in tl.range(0, i_b, num_stages=1):
@@ -445,7 +457,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
                                       col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
                                       square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
         _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                     offs_v, mask_v, HV, K, V, DOT_PRECISION)
+                     offs_v, mask_v, HV, K, V, DOT_PRECISION,
+                     bounded and BLOCKS == 1 and DOT_PRECISION == "tf32")
         # fmt: on
         if solve is not None:
             tl.store(solve + square + i_b * (tile + BLOCK), inverse)
