@@ -32,6 +32,8 @@ from kda_ops.kernels.chunk.backward.recompute import REBUILD_WARPS, rebuild_bloc
 from kda_ops.kernels.chunk.backward.state import STATE_WARPS
 from kda_ops.kernels.chunk.backward.wy import wy_launch
 from kda_ops.kernels.chunk.planning import (
+    WINDOW_PREPARE_REGISTERS,
+    WINDOW_RECURRENCE_REGISTERS,
     dot_block,
     prepare_warps,
     scan_config,
@@ -92,6 +94,9 @@ def ds_scan(value_columns: int) -> tuple:
             {"num_warps": 8, "num_stages": stages})  # fmt: skip
 
 
+WINDOW_PREPARE = ("chunk.prepare", "chunk_prepare_kernel",
+                  dict(PREPARE, SAFE_GATE=True, USE_LOWER_BOUND=True, CHUNKS="all",
+                       BLOCKS=FORWARD_CHUNK // 16, WINDOW=128))  # fmt: skip
 SCANS = {
     **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
     # the training forward: 64-token steps, chunk states written
@@ -144,10 +149,14 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
     # the pipelined forward's prepare: 128 chunks of every sequence
-    "chunk_prepare_kernel/window": ("chunk.prepare", "chunk_prepare_kernel",
-                                    dict(PREPARE, SAFE_GATE=True, USE_LOWER_BOUND=True,
-                                         CHUNKS="all", BLOCKS=FORWARD_CHUNK // 16,
-                                         WINDOW=128)),
+    "chunk_prepare_kernel/window": WINDOW_PREPARE,
+    # the windows' kernels at their register caps (``window_registers``)
+    "chunk_prepare_kernel/window/capped": (*WINDOW_PREPARE, {},
+                                           {"num_warps": 4, "maxnreg": WINDOW_PREPARE_REGISTERS}),
+    "chunk_recurrence_kernel/window/capped": (
+        *recurrence(64, window_steps=128),
+        {"num_warps": 4, "maxnreg": WINDOW_RECURRENCE_REGISTERS},
+    ),
     **{  # the backward's prepare: the forward's program with its extra outputs
         f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
                                                dict(PREPARE, SAFE_GATE=safe,
