@@ -169,7 +169,7 @@ def sweep_recurrence(x: Inputs):
             final_state, None, HV=x.heads, K=DIM, V=DIM, WIDTH=DIM, BK=DIM, BV=columns,
             STEP=CHUNK, HAS_INITIAL_STATE=False, IS_VARLEN=False, DOT_PRECISION="tf32",
             STORE_CHUNK_STATES=False, STORE_OUTPUT=True, STAGES=stages, WINDOW_STEPS=0,
-            num_warps=warps,
+            UNMASKED_FULL_STEPS=True, num_warps=warps,
         )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.device import BLOCK
 from kda_ops.kernels.chunk.planning import prepare_warps, scan_stages, uses_safe_gate
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
-from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
+from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel, unmasked_full_steps
 from kda_ops.kernels.conv.device import token_grid
 from kda_ops.kernels.conv.forward import causal_conv1d_kernel, conv_final_state_kernel
 from kda_ops.kernels.gate import kda_gate_kernel
@@ -266,7 +266,7 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 V=config["head_v"], WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 STEP=FORWARD_CHUNK, HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
-                STORE_OUTPUT=True,
+                STORE_OUTPUT=True, UNMASKED_FULL_STEPS=unmasked_full_steps(precision),
                 STAGES=config.get("stages") or scan_stages(
                     block_k, split_v, itemsize, itemsize, True, SM90_SHARED_MEMORY,
                     FORWARD_CHUNK))  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 # Launch options that are not kernel parameters; Inductor takes them as a kernel config.
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class LaunchPlan:
 @functools.cache
 def _with_options(kernel: Any, options: tuple[tuple[str, Any], ...]) -> Any:
     """``kernel`` as a one-config autotuner carrying the launch options, the form in which
-    Inductor takes ``num_warps`` / ``num_stages`` for a user kernel."""
+    Inductor takes ``num_warps`` / ``num_stages`` / ``maxnreg`` for a user kernel."""
     if not options:
         return kernel
     import triton

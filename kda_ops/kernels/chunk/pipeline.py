@@ -9,16 +9,20 @@ that SMs freed by prepare programs go to it first) starts as soon as window s's
 prepare has finished and shares the SMs with window s + 1's prepare. Each window's
 recurrence starts from the state the one before left in ``final_state``
 (``chunk_recurrence_kernel``'s ``WINDOW_STEPS``); the prepare's windows write the
-intermediates of their chunks (``chunk_prepare_kernel``'s ``WINDOW``). Off CUDA (the
-interpreter) the same launches run in the same order on one stream."""
+intermediates of their chunks (``chunk_prepare_kernel``'s ``WINDOW``). Both kernels are
+compiled to fewer registers in the windows (``window_registers``), so that an SM holds a
+prepare program beside two recurrence programs. Off CUDA (the interpreter) the same
+launches run in the same order on one stream."""
 
 import contextlib
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.chunk.planning import window_registers
 from kda_ops.kernels.chunk.prepare import chunk_prepare_kernel
 from kda_ops.kernels.chunk.recurrence import recurrence_launches
 from kda_ops.kernels.launches import KernelLaunch
@@ -53,6 +57,14 @@ class PrepareStep(NamedTuple):
                 for chunks in self.passes]  # fmt: skip
 
 
+def _with_registers(launch: KernelLaunch, registers: Optional[int]) -> KernelLaunch:
+    """``launch`` compiled to at most ``registers`` a thread (Triton's ``maxnreg``), or as
+    it is (``None``)."""
+    if registers is None:
+        return launch
+    return dataclasses.replace(launch, args={**launch.args, "maxnreg": registers})
+
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -73,6 +85,7 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
     or the packed total) in all. Outputs as ``launch_chunk_kda``'s; on CUDA it returns
     with the current stream ordered after every launch."""
     windows = cdiv(cdiv(length, FORWARD_CHUNK), window_steps)
+    registers = window_registers(prepare.args["BK"], prepare.precision)
     device = final_state.device
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -81,7 +94,9 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
     for index in range(windows):
         window = (index * window_steps, window_steps)
         for launch in prepare.launches(window):
-            launch.run()
+            # The dyadic launch's few chunks take every register: left uncapped.
+            capped = registers and launch.args["CHUNKS"] != "unbounded"
+            _with_registers(launch, registers[0] if capped else None).run()
         scan = contextlib.nullcontext()
         if on_cuda:
             prepared = torch.cuda.Event()
@@ -94,6 +109,6 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
                                               prepare.chunk_offsets, length, o, final_state,
                                               chunk_states, prepare.precision,
                                               window):  # fmt: skip
-                launch.run()
+                _with_registers(launch, registers and registers[1]).run()
     if on_cuda:
         main.wait_stream(side)

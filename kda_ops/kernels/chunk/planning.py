@@ -51,6 +51,25 @@ PIPELINE_WINDOWS = 2
 MIN_WINDOW_TOKENS = 2048
 
 
+# Registers a thread of the time windows' kernels, 4-warp programs of 16-bit inputs: two
+# recurrence programs and one prepare program then fill an SM's 64K (2 · 200 + 112 a thread
+# of 128), so that the next window's prepare also runs on the SMs that hold two of the
+# recurrence's programs, which their own counts (240 and 128) filled. Capped, a recurrence
+# step takes 373 instructions a warp instead of 350 (its 40 spilled bytes lie outside the
+# loop) and the prepare 1312 instead of 1280 (sm_90, Triton 3.6).
+WINDOW_PREPARE_REGISTERS = 112
+WINDOW_RECURRENCE_REGISTERS = 200
+
+
+def window_registers(block_k: int, precision: str) -> Optional[tuple[int, int]]:
+    """(prepare, recurrence) registers a thread in the pipelined forward's windows, or
+    ``None`` (uncapped): past 128 key columns (8-warp programs) and for fp32 inputs, whose
+    kernels take other counts."""
+    if block_k > 128 or precision == "ieee":
+        return None
+    return WINDOW_PREPARE_REGISTERS, WINDOW_RECURRENCE_REGISTERS
+
+
 def pipeline_window_steps(length: int, packed: bool, device: torch.device) -> int:
     """16-token steps of a window of the pipelined forward over sequences of ``length``
     tokens, 0 for one pass: on CUDA, fixed-length sequences that hold ``PIPELINE_WINDOWS``

@@ -45,7 +45,7 @@ from kda_ops.kernels.chunk.device import (
     tile_row,
     unit_rows,
 )
-from kda_ops.kernels.fast_exp import fast_exp
+from kda_ops.kernels.fast_exp import fast_exp, fast_reciprocal
 from kda_ops.kernels.gate import gate_parameters
 
 # The backward's pairs kernel takes a diagonal block as a dense dot, factors up to
@@ -56,18 +56,29 @@ PAIRS_DENSE_LIMIT = tl.constexpr(75.0)
 
 
 @triton.jit
-def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr):
+def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr):
     """(I + a)⁻¹ for a strictly lower-triangular [BLOCK, BLOCK] fp32 a. With m = -a
     nilpotent (m^BLOCK = 0), the inverse is sum_k m^k = (I + m)(I + m²)(I + m⁴)(I + m⁸):
     six small dots instead of BLOCK dependent row updates. In ``DOT_PRECISION``: tf32 on
     tensor cores for bf16 / fp16 inputs (as the solve that uses the inverse), which moves
-    their output well under its rounding; fp32 inputs keep FMA ("ieee")."""
+    their output well under its rounding; fp32 inputs keep FMA ("ieee").
+
+    ``BOUNDED``: every |a_ij| <= 1 (unit keys and β <= 1, as l2norm and the β sigmoid in
+    the kernel make them), so every power's and partial product's entries stay under
+    2^14 (those of the all-ones strictly lower matrix, binomial coefficients) and the dots
+    take fp16 operands: tf32's 10-bit mantissa at half the bytes of the fp32 operands
+    staged through shared memory, which bounds the prepare kernel."""
     rows = tl.arange(0, BLOCK)
     power = -a
     inverse = (rows[:, None] == rows[None, :]).to(tl.float32) + power
     for _ in tl.static_range(LOG2_BLOCK - 1):
-        power = tl.dot(power, power, input_precision=DOT_PRECISION)
-        inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
+        if BOUNDED and DOT_PRECISION == "tf32":
+            half = power.to(tl.float16)
+            power = tl.dot(half, half)
+            inverse += tl.dot(inverse.to(tl.float16), power.to(tl.float16))
+        else:
+            power = tl.dot(power, power, input_precision=DOT_PRECISION)
+            inverse += tl.dot(inverse, power, input_precision=DOT_PRECISION)
     return inverse
 
 
@@ -108,16 +119,17 @@ def dense_decay_limit(DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def diagonal_block(r_q, r_k, q_in, k_in, local, decay, DOT_DTYPE: tl.constexpr,
+def diagonal_block(r_q, r_k, q_in, k_in, to_start, decay, DOT_DTYPE: tl.constexpr,
                    SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    CUMULATIVE: tl.constexpr):  # fmt: skip
     """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
-    ``local`` being the cumulative log-decay from a reference row at or before the
-    block's start, ``q_in``, ``k_in`` the rows decayed by ``local`` and ``decay`` the
-    per-token log-decay (or, with ``CUMULATIVE``, the cumulative one; ``dyadic_level``).
-    Entries above the diagonal are left for the caller to mask (kk's diagonal too)."""
+    given the cumulative log-decay ``local`` from a reference row at or before the
+    block's start: ``q_in``, ``k_in`` the rows decayed by it, ``to_start`` = exp(-local),
+    and ``decay`` the per-token log-decay (or, with ``CUMULATIVE``, the cumulative one;
+    ``dyadic_level``). Entries above the diagonal are left for the caller to mask (kk's
+    diagonal too)."""
     if SAFE_GATE:  # local >= 16 * lower_bound >= -80: exp(-local) stays inside fp32 / bf16
-        to_col = tl.trans((r_k * fast_exp(-local)).to(DOT_DTYPE))
+        to_col = tl.trans((r_k * to_start).to(DOT_DTYPE))
         kk = tl.dot(k_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
         qk = tl.dot(q_in.to(DOT_DTYPE), to_col, input_precision=DOT_PRECISION)
     else:
@@ -175,16 +187,20 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
     r_v = r_v.to(tl.float32)
 
     from_start = fast_exp(local)
+    # exp(-local) as the reciprocal: the cumulative sum's tile leaves the scan in a layout
+    # of its own, and one exponential of it changes layout instead of two
+    # (``tools/sass_report.py``: 128 fewer shared-memory bytes a thread, 4 fewer barriers).
+    to_start = fast_reciprocal(from_start)
     k_in = r_k * from_start
     q_in = r_q * from_start
-    qk, kk = diagonal_block(r_q, r_k, q_in, k_in, local, b_g, qg.dtype.element_ty, SAFE_GATE,
-                            DOT_PRECISION, False)  # fmt: skip
+    qk, kk = diagonal_block(r_q, r_k, q_in, k_in, to_start, b_g, qg.dtype.element_ty,
+                            SAFE_GATE, DOT_PRECISION, False)  # fmt: skip
     qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
     tl.store(aqk_rows + i_b * BLOCK * (C + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
 
-    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block, whose exponentials these are
-        k_out = r_k * fast_exp(-local) * fast_exp(block_decay)[None, :]
+    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block
+        k_out = r_k * to_start * fast_exp(block_decay)[None, :]
     else:
         k_out = r_k * fast_exp(block_decay[None, :] - local)
     to_chunk_start = fast_exp(decay_before)[None, :]
@@ -231,10 +247,21 @@ def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
 @triton.jit
 def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
                  offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+                 DOT_PRECISION: tl.constexpr, HALF_W: tl.constexpr):  # fmt: skip
     """Stores a block's w, u rows: its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
-    eliminated right-hand sides, in the storage dtype (what the later blocks read back)."""
-    b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION).to(w.dtype.element_ty)
+    eliminated right-hand sides, in the storage dtype (what the later blocks read back).
+
+    ``HALF_W``: w's product on fp16 operands, tf32's mantissa at half the bytes staged
+    through shared memory. For the forward's one-block chunks with l2norm and the β
+    sigmoid: no earlier block eliminated, the right-hand side β K Γ has entries of at
+    most 1 and the inverse (``inverse_unit_lower``'s bound) at most 2^14. u's, β V, has no
+    bound and keeps tf32 (in bf16, o's error against float64 grew from 3.79e-3 to 4.09e-3
+    in a torch emulation of the forward's roundings)."""
+    if HALF_W:
+        b_w = tl.dot(inverse.to(tl.float16), rhs_w.to(tl.float16))
+    else:
+        b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION)
+    b_w = b_w.to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
     key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
     value_rows, value_mask = _block_rows(start, remaining, i_b, i_hv, offs_v, mask_v, HV, V)
@@ -414,7 +441,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
             remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
             k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
             USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, C)
-        inverse = inverse_unit_lower(a_kk, DOT_PRECISION)
+        bounded: tl.constexpr = USE_L2NORM and USE_BETA_SIGMOID
+        inverse = inverse_unit_lower(a_kk, DOT_PRECISION, bounded)
         key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
         tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
         for j_b in tl.range(0, i_b, num_stages=1):
@@ -429,7 +457,8 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
                                       col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
                                       square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
         _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                     offs_v, mask_v, HV, K, V, DOT_PRECISION)
+                     offs_v, mask_v, HV, K, V, DOT_PRECISION,
+                     bounded and BLOCKS == 1 and DOT_PRECISION == "tf32")
         # fmt: on
         if solve is not None:
             tl.store(solve + square + i_b * (tile + BLOCK), inverse)

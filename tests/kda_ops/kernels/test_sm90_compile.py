@@ -32,6 +32,8 @@ from kda_ops.kernels.chunk.backward.recompute import REBUILD_WARPS, rebuild_bloc
 from kda_ops.kernels.chunk.backward.state import STATE_WARPS
 from kda_ops.kernels.chunk.backward.wy import wy_launch
 from kda_ops.kernels.chunk.planning import (
+    WINDOW_PREPARE_REGISTERS,
+    WINDOW_RECURRENCE_REGISTERS,
     dot_block,
     prepare_warps,
     scan_config,
@@ -64,7 +66,8 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
                       HAS_INITIAL_STATE=window_steps > 0, IS_VARLEN=False,
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
-                      STAGES=stages, WINDOW_STEPS=window_steps)  # fmt: skip
+                      STAGES=stages, WINDOW_STEPS=window_steps,
+                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
     types.update(aqk=f"*{aqk}", initial_state="*fp32", final_state="*fp32")
     return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, types
@@ -91,6 +94,9 @@ def ds_scan(value_columns: int) -> tuple:
             {"num_warps": 8, "num_stages": stages})  # fmt: skip
 
 
+WINDOW_PREPARE = ("chunk.prepare", "chunk_prepare_kernel",
+                  dict(PREPARE, SAFE_GATE=True, USE_LOWER_BOUND=True, CHUNKS="all",
+                       BLOCKS=FORWARD_CHUNK // 16, WINDOW=128))  # fmt: skip
 SCANS = {
     **{f"chunk_recurrence_kernel/bf16/columns={n}": recurrence(n) for n in (32, 64, 128)},
     # the training forward: 64-token steps, chunk states written
@@ -143,10 +149,14 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
     # the pipelined forward's prepare: 128 chunks of every sequence
-    "chunk_prepare_kernel/window": ("chunk.prepare", "chunk_prepare_kernel",
-                                    dict(PREPARE, SAFE_GATE=True, USE_LOWER_BOUND=True,
-                                         CHUNKS="all", BLOCKS=FORWARD_CHUNK // 16,
-                                         WINDOW=128)),
+    "chunk_prepare_kernel/window": WINDOW_PREPARE,
+    # the windows' kernels at their register caps (``window_registers``)
+    "chunk_prepare_kernel/window/capped": (*WINDOW_PREPARE, {},
+                                           {"num_warps": 4, "maxnreg": WINDOW_PREPARE_REGISTERS}),
+    "chunk_recurrence_kernel/window/capped": (
+        *recurrence(64, window_steps=128),
+        {"num_warps": 4, "maxnreg": WINDOW_RECURRENCE_REGISTERS},
+    ),
     **{  # the backward's prepare: the forward's program with its extra outputs
         f"chunk_bwd_prepare_kernel/{chunks}": ("chunk.backward.prepare", "chunk_bwd_prepare_kernel",
                                                dict(PREPARE, SAFE_GATE=safe,
@@ -240,7 +250,8 @@ def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
     constexprs = dict(HV=32, K=head_k, V=head_v, WIDTH=width, BK=block_k, BV=columns, STEP=step,
                       HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
                       DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
-                      STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0)  # fmt: skip
+                      STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0,
+                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
     types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
     types.update(initial_state="*fp32", final_state="*fp32")
     return ("chunk.recurrence", "chunk_recurrence_kernel", constexprs, types,

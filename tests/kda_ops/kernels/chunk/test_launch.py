@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kda_ops import reference
+from kda_ops.kernels.chunk import launch
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, TOLERANCE, relative_error
@@ -44,6 +45,24 @@ def test_fixed_length(variant, dtype):
     assert o.dtype == dtype and state.dtype == torch.float32
     assert relative_error(o, o_ref) < TOLERANCE[dtype]
     assert relative_error(state, state_ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("bounds", [None, [0, 1, 70, 150]])
+def test_tensor_core_paths_on_fp32_inputs(monkeypatch, bounds):
+    """What 16-bit inputs compile to, run in the interpreter on fp32 inputs by giving
+    their launch tensor-core precision ("tf32", which the interpreter computes in fp32):
+    the prepare's fp16 inverse and w product (l2norm and the β sigmoid bound their
+    operands) and the recurrence's unmasked full steps. Within fp16's unit roundoff of
+    the float64 reference, fixed length and packed."""
+    flags = launch.prepare_flags
+    monkeypatch.setattr(launch, "prepare_flags",
+                        lambda *args: {**flags(*args), "DOT_PRECISION": "tf32"})  # fmt: skip
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, device=DEVICE).int()
+    shape = dict(batch=2, length=70) if bounds is None else dict(length=150, n_seqs=3)
+    (o, state), (o_ref, state_ref) = run("safe_gate", cu_seqlens=cu_seqlens, heads=1,
+                                         value_heads=2, head_k=32, head_v=16, **shape)  # fmt: skip
+    assert relative_error(o, o_ref) < 2.0**-11
+    assert relative_error(state, state_ref) < 2.0**-11
 
 
 @pytest.mark.parametrize("variant", ["softplus_gate", "pregated"])

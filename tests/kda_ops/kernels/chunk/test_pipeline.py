@@ -5,12 +5,16 @@ import pytest
 import torch
 
 from kda_ops import reference
+from kda_ops.kernels.chunk import launch
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from kda_ops.kernels.chunk.planning import (
     MIN_WINDOW_TOKENS,
     PIPELINE_WINDOWS,
+    WINDOW_PREPARE_REGISTERS,
+    WINDOW_RECURRENCE_REGISTERS,
     pipeline_window_steps,
 )
+from kda_ops.kernels.launches import KernelLaunch
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
 
@@ -60,6 +64,37 @@ def test_windows_give_the_one_pass_results(variant, case, window_steps):
     assert torch.equal(windowed_o, o)
     assert torch.equal(windowed_final, final)
     assert torch.equal(windowed_states, states)
+
+
+def test_windows_cap_the_registers_of_16_bit_launches(monkeypatch):
+    """With the launches of 16-bit inputs (fp32 ones given "tf32" precision, which the
+    interpreter computes in fp32), the windows compile the prepare (but its dyadic launch)
+    and the recurrence to ``window_registers``' caps, and still give the one pass's
+    results bit for bit; the one pass leaves every launch uncapped."""
+    flags = launch.prepare_flags
+    monkeypatch.setattr(launch, "prepare_flags",
+                        lambda *args: {**flags(*args), "DOT_PRECISION": "tf32"})  # fmt: skip
+    launched = []
+    run = KernelLaunch.run
+
+    def record(self):
+        launched.append((self.kernel.fn.__name__, self.args.get("CHUNKS"),
+                         self.args.get("maxnreg")))  # fmt: skip
+        run(self)
+
+    monkeypatch.setattr(KernelLaunch, "run", record)
+    inputs, initial_state, cu, options = arguments("softplus_gate", None, batch=2, length=200)
+    o, final = launch_chunk_kda(inputs, initial_state, cu, options, window_steps=0)
+    assert {registers for *_, registers in launched} == {None}
+    launched.clear()
+    windowed_o, windowed_final = launch_chunk_kda(inputs, initial_state, cu, options,
+                                                  window_steps=4)  # fmt: skip
+    assert torch.equal(windowed_o, o) and torch.equal(windowed_final, final)
+    assert set(launched) == {
+        ("chunk_prepare_kernel", "bounded", WINDOW_PREPARE_REGISTERS),
+        ("chunk_prepare_kernel", "unbounded", None),
+        ("chunk_recurrence_kernel", None, WINDOW_RECURRENCE_REGISTERS),
+    }
 
 
 def test_windows_without_initial_state_or_output():

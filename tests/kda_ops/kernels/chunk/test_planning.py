@@ -4,11 +4,16 @@ import pytest
 
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.planning import (
+    WINDOW_PREPARE_REGISTERS,
+    WINDOW_RECURRENCE_REGISTERS,
+    prepare_warps,
     scan_config,
     scan_launches,
     scan_residency,
     scan_shared,
     scan_stages,
+    scan_warps,
+    window_registers,
 )
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
 
@@ -103,3 +108,17 @@ def test_two_forward_steps_programs_share_an_sm():
     assert scan_launches(128, 96, 64, _slots(FORWARD_CHUNK)) == [(0, 96, 64)]
     assert scan_launches(128, 96, 64, _slots(64)) == [(0, 66, 64), (66, 30, 32)]
     assert _slots(FORWARD_CHUNK, warps=8) == SMS  # 8 warps' registers: one program
+
+
+def test_window_registers_fill_an_sm():
+    """In the windows two 4-warp recurrence programs and one 4-warp prepare program take
+    an SM's 64K registers (Hopper allocates them 8 a thread at a time), for 16-bit inputs
+    up to 128 key columns; past those, and for fp32 inputs, the launches keep their own
+    counts."""
+    assert prepare_warps(128) == scan_warps(128) == 4
+    threads = 4 * 32
+    assert WINDOW_PREPARE_REGISTERS % 8 == WINDOW_RECURRENCE_REGISTERS % 8 == 0
+    assert (2 * WINDOW_RECURRENCE_REGISTERS + WINDOW_PREPARE_REGISTERS) * threads == 65536
+    assert window_registers(128, "tf32") == (WINDOW_PREPARE_REGISTERS, WINDOW_RECURRENCE_REGISTERS)
+    assert window_registers(256, "tf32") is None
+    assert window_registers(128, "ieee") is None

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.kernels.chunk import planning
+from kda_ops.kernels.chunk import planning, recurrence
+from kda_ops.kernels.chunk.backward.launch import launch_chunk_kda_training
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
@@ -60,3 +61,45 @@ def test_packed_sequences_taken_longest_first():
                                                           *options))  # fmt: skip
         torch.testing.assert_close(o[:, start:end], o_alone)
         torch.testing.assert_close(final[n : n + 1], final_alone)
+
+
+SPLIT_CASES = {
+    # name: (cu_seqlens, shape, window steps); partial last steps unless said
+    "fixed": (None, dict(batch=2, length=200), 0),
+    "whole_steps": (None, dict(batch=1, length=192), 0),  # no partial step
+    # empty sequences; one of 16 tokens, one step and no partial one
+    "varlen": ([0, 0, 40, 56, 170, 200], dict(length=200), 0),
+    "windows": ([0, 0, 40, 56, 170, 200], dict(length=200), 3),  # partial in later windows
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_unmasked_full_steps_give_the_masked_loop_results(monkeypatch, case):
+    """The recurrence's full steps in a loop without row masks, then the partial last step
+    (what 16-bit inputs compile to, ``unmasked_full_steps``), give the one masked loop's
+    outputs, final state and chunk states bit for bit (fp32 inputs, which take the masked
+    loop, forced to the split), in the inference forward's 16-token steps and in the
+    training forward's 64-token ones."""
+    cu_seqlens, shape, window_steps = SPLIT_CASES[case]
+    x = delta_rule_inputs(raw_gate=True, dtype=torch.float32, heads=1, value_heads=2,
+                          head_k=16, head_v=32, **shape)  # fmt: skip
+    tensors = [t.to(DEVICE) for t in x.tensors()]
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, device=DEVICE, dtype=torch.int32)
+        tensors[-1] = tensors[-1][:1].expand(cu_seqlens.numel() - 1, -1, -1, -1).contiguous()
+    n_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    rows = reference.chunk_state_rows(x.q.shape[0], x.q.shape[1], n_seqs)
+    used = rows if cu_seqlens is None else int(reference.chunk_offsets(cu_seqlens, 64)[-1])
+    args = grouped(*tensors, cu_seqlens, 0.3, -5.0, True, True)
+    results = []
+    for split in (False, True):
+        monkeypatch.setattr(recurrence, "unmasked_full_steps", lambda _, split=split: split)
+        states = torch.zeros(rows, 2, 16, 32, device=DEVICE)
+        o, final = launch_chunk_kda(*args, chunk_states=states, segments=1,
+                                    window_steps=window_steps)  # fmt: skip
+        training_o, training_final, saved = launch_chunk_kda_training(*args)
+        results.append(
+            (o, final, states[:used], training_o, training_final, saved.chunk_states[:used])
+        )  # rows past the last chunk: untouched
+    for masked, split in zip(*results):
+        assert torch.equal(split, masked)
