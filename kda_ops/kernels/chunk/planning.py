@@ -46,7 +46,8 @@ def prepare_flags(
 
 # Windows of the pipelined forward (``pipeline.py``) and the fewest tokens a window takes.
 # Two windows at H = 96: 0.92x one pass's time, four 0.94x, eight 1.41x; the varlen case
-# in four windows took 1.89x (``benchmarks/results/ab_pipelined_*.json``).
+# in four windows took 1.89x (``benchmarks/results/ab_pipelined_*.json``), in two windows of
+# the packed row's token positions 1.05x (``ops_forward96_windows_h100.json``).
 PIPELINE_WINDOWS = 2
 MIN_WINDOW_TOKENS = 2048
 
