@@ -95,6 +95,17 @@ def _git_commit(directory: Path) -> str | None:
     return result.stdout.strip() or None
 
 
+def _kda_ops_source() -> tuple[str | None, str | None]:
+    """(the directory ``kda_ops`` imports from, this checkout's commit where that is this
+    checkout's package). A tree put first on ``PYTHONPATH`` (an A/B run's branch) gets no
+    commit: the checkout's would not be its."""
+    spec = importlib.util.find_spec("kda_ops")
+    if spec is None or not spec.origin:
+        return None, None
+    package = Path(spec.origin).resolve().parent
+    return str(package), _git_commit(ROOT) if package == ROOT / "kda_ops" else None
+
+
 def environment(shared_machine: bool | None = None) -> dict:
     """Where and with what the rows were measured."""
     import torch
@@ -106,6 +117,7 @@ def environment(shared_machine: bool | None = None) -> dict:
                "memory_gib": round(properties.total_memory / 2**30, 1),
                "sms": properties.multi_processor_count,
                "capability": list(torch.cuda.get_device_capability())}  # fmt: skip
+    kda_ops_path, kda_ops_commit = _kda_ops_source()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu,
@@ -118,7 +130,8 @@ def environment(shared_machine: bool | None = None) -> dict:
             "fla-core": _version("fla-core", "fla"),
             "flash_kda": _flash_kda(),
             "kda-ops": _version("kda-ops", "kda_ops"),
-            "kda-ops_commit": _git_commit(ROOT),
+            "kda-ops_path": kda_ops_path,
+            "kda-ops_commit": kda_ops_commit,
         },
         "env": {name: os.environ.get(name) for name in ENV_RECORDED},
         "argv": sys.argv,
