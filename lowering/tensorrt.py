@@ -266,7 +266,8 @@ def _chunk_recurrence_constexprs(config: Mapping[str, object]) -> dict[str, obje
                 V=config["head_v"], WIDTH=config["head_v"], BK=block_k, BV=split_v,
                 STEP=FORWARD_CHUNK, HAS_INITIAL_STATE=True, IS_VARLEN=False,
                 DOT_PRECISION=precision, STORE_CHUNK_STATES=False,
-                STORE_OUTPUT=True, UNMASKED_FULL_STEPS=unmasked_full_steps(precision),
+                STORE_OUTPUT=True,
+                UNMASKED_FULL_STEPS=unmasked_full_steps(precision, FORWARD_CHUNK),
                 STAGES=config.get("stages") or scan_stages(
                     block_k, split_v, itemsize, itemsize, True, SM90_SHARED_MEMORY,
                     FORWARD_CHUNK))  # fmt: skip

@@ -16,8 +16,9 @@ buffer): the pipelined forward's time windows (``pipeline.py``); a step's number
 sequence's, so each chunk state is stored once, in the window holding its step.
 
 A sequence's steps but its partial last one need no row mask: with
-``UNMASKED_FULL_STEPS`` (``unmasked_full_steps``) they run in a loop of their own, which
-drops the masks' address and predicate instructions, and the partial step after it.
+``UNMASKED_FULL_STEPS`` (``unmasked_full_steps``: 16-bit inputs, 16-token steps) they run
+in a loop of their own, which drops the masks' address and predicate instructions, and the
+partial step after it.
 
 At 16-token steps a program takes under 256 registers at 4 warps and a quarter of the
 64-token step's shared memory, so two share an SM (``scan_residency``): at H = 96 all 192
@@ -127,13 +128,17 @@ def chunk_recurrence_kernel(
     tl.store(final_state + state_offsets, state, mask=state_mask)
 
 
-def unmasked_full_steps(precision: str) -> bool:
+def unmasked_full_steps(precision: str, step: int) -> bool:
     """Whether the recurrence runs a sequence's full steps in a loop without row masks
-    (the kernel's ``UNMASKED_FULL_STEPS``): with 16-bit inputs, whose step it shortens by a
-    tenth of its instructions (sm_90, Triton 3.6: 394 to 350 a warp at 64 value columns,
-    969 to 792 at the training forward's 64-token steps). Not with fp32 ones
-    (``precision`` "ieee"): their FMA dots spill, and two copies of the loop spill more."""
-    return precision != "ieee"
+    (the kernel's ``UNMASKED_FULL_STEPS``): with 16-bit inputs in the inference forward's
+    16-token steps, whose step it shortens by a tenth of its instructions (sm_90, Triton
+    3.6: 394 to 350 a warp at 64 value columns). Not with fp32 inputs (``precision``
+    "ieee"): their FMA dots spill, and two copies of the loop spill more. Not in the
+    training forward's 64-token steps: there, on an H100, the training forward's o at
+    T = 1000 (a partial last step) came 0.21 from the inference forward's, where the
+    interpreter gives the masked loop's bits (``test_disable_recompute_gives_the_same_
+    gradients``)."""
+    return precision != "ieee" and step < CHUNK
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
@@ -173,7 +178,7 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
             DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
             STORE_OUTPUT=o is not None,
             STAGES=stages, WINDOW_STEPS=window[1],
-            UNMASKED_FULL_STEPS=unmasked_full_steps(precision), num_warps=scan_warps(block_k),
+            UNMASKED_FULL_STEPS=unmasked_full_steps(precision, step), num_warps=scan_warps(block_k),
         ), writes)
         for first_head, heads, split_v, stages in launches
     ]  # fmt: skip

@@ -40,6 +40,7 @@ from kda_ops.kernels.chunk.planning import (
     scan_stages,
     scan_warps,
 )
+from kda_ops.kernels.chunk.recurrence import unmasked_full_steps
 from kda_ops.kernels.conv.backward import BACKWARD_ROWS
 from kda_ops.kernels.conv.forward import PREFILL_ROWS
 from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, cdiv
@@ -67,7 +68,8 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
                       DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
                       STAGES=stages, WINDOW_STEPS=window_steps,
-                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
+                      UNMASKED_FULL_STEPS=unmasked_full_steps(
+                          "tf32" if dtype == "bf16" else "ieee", step))  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
     types.update(aqk=f"*{aqk}", initial_state="*fp32", final_state="*fp32")
     return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, types
@@ -251,7 +253,8 @@ def forward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int,
                       HAS_INITIAL_STATE=not maps, IS_VARLEN=maps,
                       DOT_PRECISION=_dot_precision(dtype), STORE_CHUNK_STATES=store_states,
                       STORE_OUTPUT=not maps, STAGES=stages, WINDOW_STEPS=0,
-                      UNMASKED_FULL_STEPS=dtype != "fp32")  # fmt: skip
+                      UNMASKED_FULL_STEPS=unmasked_full_steps(_dot_precision(dtype),
+                                                              step))  # fmt: skip
     types = _typed(dtype, "w", "u", "qg", "kd", "o", "chunk_states", "aqk")
     types.update(initial_state="*fp32", final_state="*fp32")
     return ("chunk.recurrence", "chunk_recurrence_kernel", constexprs, types,

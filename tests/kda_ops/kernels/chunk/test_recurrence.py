@@ -76,10 +76,10 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 def test_unmasked_full_steps_give_the_masked_loop_results(monkeypatch, case):
     """The recurrence's full steps in a loop without row masks, then the partial last step
-    (what 16-bit inputs compile to, ``unmasked_full_steps``), give the one masked loop's
-    outputs, final state and chunk states bit for bit (fp32 inputs, which take the masked
-    loop, forced to the split), in the inference forward's 16-token steps and in the
-    training forward's 64-token ones."""
+    (what 16-bit inputs compile to in the inference forward, ``unmasked_full_steps``),
+    give the one masked loop's outputs, final state and chunk states bit for bit (fp32
+    inputs, which take the masked loop, forced to the split), in the inference forward's
+    16-token steps and in the training forward's 64-token ones."""
     cu_seqlens, shape, window_steps = SPLIT_CASES[case]
     x = delta_rule_inputs(raw_gate=True, dtype=torch.float32, heads=1, value_heads=2,
                           head_k=16, head_v=32, **shape)  # fmt: skip
@@ -93,7 +93,7 @@ def test_unmasked_full_steps_give_the_masked_loop_results(monkeypatch, case):
     args = grouped(*tensors, cu_seqlens, 0.3, -5.0, True, True)
     results = []
     for split in (False, True):
-        monkeypatch.setattr(recurrence, "unmasked_full_steps", lambda _, split=split: split)
+        monkeypatch.setattr(recurrence, "unmasked_full_steps", lambda *_, split=split: split)
         states = torch.zeros(rows, 2, 16, 32, device=DEVICE)
         o, final = launch_chunk_kda(*args, chunk_states=states, segments=1,
                                     window_steps=window_steps)  # fmt: skip
