@@ -63,13 +63,13 @@ def recurrence(value_columns: int, dtype: str = "bf16", aqk: str = "bf16", width
     size = {"bf16": 2, "fp32": 4}
     stages = scan_stages(128, value_columns, size[dtype], size[aqk], store_output,
                          SM90_SHARED_MEMORY, step)  # fmt: skip
+    precision = "tf32" if dtype == "bf16" else "ieee"
     constexprs = dict(HV=32, K=128, V=128, WIDTH=width, BK=128, BV=value_columns, STEP=step,
                       HAS_INITIAL_STATE=window_steps > 0, IS_VARLEN=False,
-                      DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
+                      DOT_PRECISION=precision,
                       STORE_CHUNK_STATES=store_states, STORE_OUTPUT=store_output,
                       STAGES=stages, WINDOW_STEPS=window_steps,
-                      UNMASKED_FULL_STEPS=unmasked_full_steps(
-                          "tf32" if dtype == "bf16" else "ieee", step))  # fmt: skip
+                      UNMASKED_FULL_STEPS=unmasked_full_steps(precision, step))  # fmt: skip
     types = {name: f"*{dtype}" for name in ("w", "u", "qg", "kd", "o", "chunk_states")}
     types.update(aqk=f"*{aqk}", initial_state="*fp32", final_state="*fp32")
     return "chunk.recurrence", "chunk_recurrence_kernel", constexprs, types
