@@ -1,8 +1,9 @@
 """Kernel benchmarks against flash-linear-attention (fla-core 0.6.0) and, for the chunk
 forward, FlashKDA where ``flash_kda`` imports, all in the same process, in ``--rounds``
-rounds of rotated order (median and spread over the rounds). The chunk forward is timed
-eagerly and as the same call captured once in a CUDA graph and replayed, and each
-library's output is checked against the float64 reference (``kda_ops.reference``).
+rounds of rotated order (median and spread over the rounds). The chunk forward and the
+training step are timed eagerly and as the same call captured once in a CUDA graph and
+replayed; each library's forward output is checked against the float64 reference
+(``kda_ops.reference``).
 
 Usage (GPU): ``python benchmarks/ops.py [--only chunk96 conv ...] [--rounds 3]
 [--shared-machine | --no-shared-machine] [--out benchmarks/results/ops.json]``. Without a
@@ -236,22 +237,31 @@ def chunk_case(case: str, x: dict, options: dict, s: Settings, cu_seqlens=None,
         calls = chunk_calls(x, options, s, cu_seqlens)
         eager = measure(case, "eager", calls, s, nbytes, **extra)
         if s.graph and x["q"].is_cuda:
-            replays, errors = {}, {}
-            for name, call in chunk_calls(x, options, s, cu_seqlens, graph=True).items():
-                try:
-                    replays[name] = capture_graph([call])
-                except Exception as error:  # e.g. a host sync on cu_seqlens in the capture
-                    errors[name] = repr(error)
-            if replays:
-                measure(case, "CUDA graph", replays, s, nbytes, **extra)
-            for name, error in errors.items():
-                print(f"    {NAMES[name]} does not capture: {error[:300]}", flush=True)
-                if s.results is not None:
-                    s.results.add({"case": case, "library": name, "metric": "time_cuda_graph",
-                                   "error": error, **extra})  # fmt: skip
-            del replays  # the graphs' memory pools
+            graphed = chunk_calls(x, options, s, cu_seqlens, graph=True)
+            measure_replays(case, graphed, s, nbytes, **extra)
         accuracy(case, calls, x, options, cu_seqlens, s, **extra)
     return eager
+
+
+def measure_replays(case: str, calls: dict[str, Callable], s: Settings, bytes_moved: int = 0,
+                    **extra) -> None:  # fmt: skip
+    """Captures each of ``calls`` into its own CUDA graph and times the replays
+    (``measure``'s "CUDA graph" row: device time without host dispatch). A library whose
+    call does not capture (a host sync inside it, say on ``cu_seqlens``) is reported and
+    recorded with its error instead; the graphs' memory pools are freed afterwards."""
+    replays, errors = {}, {}
+    for name, call in calls.items():
+        try:
+            replays[name] = capture_graph([call])
+        except Exception as error:
+            errors[name] = repr(error)
+    if replays:
+        measure(case, "CUDA graph", replays, s, bytes_moved, **extra)
+    for name, error in errors.items():
+        print(f"    {NAMES[name]} does not capture: {error[:300]}", flush=True)
+        if s.results is not None:
+            s.results.add({"case": case, "library": name, "metric": "time_cuda_graph",
+                           "error": error, **extra})  # fmt: skip
 
 
 def tiny_shape(s: Settings, length: int, heads: int, dim: int = 128) -> tuple[int, int, int]:
@@ -380,7 +390,8 @@ def bench_conv_prefill(s: Settings, length=8192, channels=32 * 128, width=4) -> 
 def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND,
                          disable_recompute=False, varlen=False) -> None:  # fmt: skip
     """Training step of one layer: forward + backward of every input (gate, beta and
-    l2norm in the kernel), timed and with the peak memory each allocates;
+    l2norm in the kernel), timed eagerly and replayed from a CUDA graph (forward and
+    backward captured together), and with the peak memory each allocates;
     ``lower_bound=None`` is Kimi Linear's softplus gate; ``disable_recompute`` is passed
     to both (each keeps its forward's intermediates for its backward); ``varlen`` packs
     the forward's varlen lengths (``VARLEN``) into the ``length`` tokens."""
@@ -413,6 +424,8 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
     packed = f" varlen {len(VARLEN) - 1} seqs" if varlen else ""
     case = f"chunk_kda fwd+bwd{packed} B=1 T={length} H={heads} D={dim} bf16{gate}"
     measure(case, "eager", steps, s)  # also the warm-up (compile, autotune)
+    if s.graph:
+        measure_replays(case, steps, s)
     peaks = {name: peak_gib(step) for name, step in steps.items()}
     if s.results is not None:
         s.results.add([row(case, name, "peak_memory", [gib], "GiB")
@@ -469,7 +482,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="chunk forward: every library also writes its fp32 final state",
     )
-    parser.add_argument("--no-graph", action="store_true", help="chunk forward: eager only")
+    parser.add_argument("--no-graph", action="store_true", help="eager timing only")
     parser.add_argument(
         "--tiny",
         action="store_true",
