@@ -14,7 +14,9 @@ and prints the long sequence's output error (FLA's relative-RMSE metric) of ours
 FLA's and of the planned segments against one serial scan.
 
 Targets: our long / our split batch <= 1.05, segments faster than one scan on the long
-sequence, outputs within 5e-3 of FLA's.
+sequence, the long output no farther from float64 than FLA's (the distance between the
+two, printed too, is about sqrt(2) times either's from float64: a threshold on it would
+flag two equally accurate outputs).
 
 Usage (GPU, fla-core 0.6.0): ``python benchmarks/cp.py [--quick] [--shared-machine |
 --no-shared-machine] [--out benchmarks/results/cp.json]``.
@@ -109,13 +111,14 @@ def print_errors(long: dict, dim: int, case: str, results: Results) -> None:
     args = kernel_args(long, dim)
     one_scan, _ = launch_chunk_kda(*args, segments=1)
     print(
-        f"long output: ours vs FLA {relative_error(ours, peer):.2e} (target <= 5e-3), "
+        f"long output: ours vs FLA {relative_error(ours, peer):.2e}, "
         f"planned segments vs one scan {relative_error(ours, one_scan):.2e}"
     )
     reference, _ = kda_ops.chunk_kda(**first_heads(long, 2, dim), **IN_KERNEL)
     ours_error = relative_error(ours[:, :, :2], reference)
     peer_error = relative_error(peer[:, :, :2], reference)
-    print(f"long output against float64 (2 heads): ours {ours_error:.2e}, FLA {peer_error:.2e}")
+    print(f"long output against float64 (2 heads): ours {ours_error:.2e}, FLA {peer_error:.2e} "
+          f"(target: ours <= FLA's)")  # fmt: skip
     results.add([
         row(case, "kda-ops", "o_error_vs_float64", [ours_error], "relative", heads=2),
         row(case, "fla", "o_error_vs_float64", [peer_error], "relative", heads=2),
