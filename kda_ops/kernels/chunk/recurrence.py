@@ -134,9 +134,8 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
     16-token steps, whose step it shortens by a tenth of its instructions (sm_90, Triton
     3.6: 394 to 350 a warp at 64 value columns). Not with fp32 inputs (``precision``
     "ieee"): their FMA dots spill, and two copies of the loop spill more. Not in the
-    training forward's 64-token steps: compiled for the GPU, its o with a partial last
-    step failed ``test_disable_recompute_gives_the_same_gradients``, though the
-    interpreter gives the masked loop's bits."""
+    training forward's 64-token steps: on the GPU they gave a wrong o after a partial last
+    step (``CHANGELOG.md``), where the interpreter gives the masked loop's bits."""
     return precision != "ieee" and step < CHUNK
 
 
