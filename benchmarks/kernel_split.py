@@ -2,19 +2,37 @@
 with ``--forward`` the forward alone), ours and flash-linear-attention's (fla-core 0.6.0)
 in the same process: where the time of ``ops.py``'s rows goes, kernel by kernel
 (torch.profiler, µs a step, averaged over ``--steps`` profiled steps after three warm-up
-steps).
+steps), in ``--rounds`` rounds of rotated order.
+
+With ``--forward``, FlashKDA's forward too where ``flash_kda`` imports and supports the
+case, and ours a second time in one pass ("kda-ops one pass"): the shipped forward runs
+long sequences in time windows on two streams, where a window's recurrence overlaps the
+next window's prepare, so each kernel's profiled time includes the SMs it shares. One
+pass runs the prepare alone on the GPU, the time to set beside FlashKDA's prepare kernel.
 
 Usage (GPU): ``python benchmarks/kernel_split.py [--heads 64] [--length 8192] [--softplus]
-[--disable-recompute] [--varlen] [--forward] [--steps 5] [--shared-machine | --no-shared-machine]
-[--out benchmarks/results/kernel_split.json]``.
+[--disable-recompute] [--varlen] [--forward] [--steps 5] [--rounds 1]
+[--shared-machine | --no-shared-machine] [--out benchmarks/results/kernel_split.json]``.
 """
 
 import argparse
+import contextlib
 from collections import Counter
+from functools import partial
+from unittest import mock
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from ops import LOWER_BOUND, VARLEN, chunk_options, kda_inputs, varlen_cu_seqlens
+from harness import import_flash_kda, rotated_rounds
+from ops import (
+    LOWER_BOUND,
+    VARLEN,
+    chunk_options,
+    flash_kda_call,
+    flash_kda_supports,
+    kda_inputs,
+    varlen_cu_seqlens,
+)
 from results import Results, add_arguments, row
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -40,6 +58,10 @@ def kernel_times_us(step, steps: int) -> Counter:
     return times
 
 
+NAMES = {"kda-ops": "ours", "kda-ops one pass": "ours in one pass", "fla": "FLA",
+         "flash_kda": "FlashKDA"}  # fmt: skip
+
+
 def print_table(name: str, times: Counter, rows: int = 16) -> None:
     total = sum(times.values())
     print(f"\n{name}: {total:.0f} µs a step\n\n| kernel | µs | share |\n| --- | ---: | ---: |")
@@ -50,6 +72,40 @@ def print_table(name: str, times: Counter, rows: int = 16) -> None:
         print(f"| {len(times) - rows} others | {rest:.0f} | {rest / total:.1%} |")
 
 
+def one_pass():
+    """Our forward in one pass over each sequence, never in time windows (the launcher's
+    window choice patched to 0 windows' steps)."""
+    return mock.patch("kda_ops.kernels.chunk.launch.pipeline_window_steps",
+                      lambda *_: 0)  # fmt: skip
+
+
+def forward_steps(x: dict, options: dict) -> dict:
+    """library -> (a no-grad forward call, the context it runs in)."""
+    steps = {
+        "kda-ops": (lambda: kda_ops.chunk_kda(**x, **options), contextlib.nullcontext),
+        "kda-ops one pass": (lambda: kda_ops.chunk_kda(**x, **options), one_pass),
+        "fla": (lambda: fla_chunk_kda(**x, **options), contextlib.nullcontext),
+    }
+    flash_kda = import_flash_kda()
+    if flash_kda is not None and flash_kda_supports(x, options):
+        call = flash_kda_call(flash_kda, x, options, options.get("cu_seqlens"), False)
+        steps["flash_kda"] = (call, contextlib.nullcontext)
+    return steps
+
+
+def training_steps(x: dict, options: dict) -> dict:
+    """library -> (a forward + backward of every input, the context it runs in)."""
+    leaves = [t.requires_grad_() for t in x.values()]
+    grad_o = torch.randn_like(x["v"])
+
+    def step(chunk_kda):
+        o, _ = chunk_kda(**x, **options)
+        return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+
+    return {"kda-ops": (lambda: step(kda_ops.chunk_kda), contextlib.nullcontext),
+            "fla": (lambda: step(fla_chunk_kda), contextlib.nullcontext)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", type=int, default=64)
@@ -58,8 +114,10 @@ def main() -> None:
     parser.add_argument("--disable-recompute", action="store_true")
     parser.add_argument("--varlen", action="store_true",
                         help="the forward's packed varlen lengths in --length tokens")  # fmt: skip
-    parser.add_argument("--forward", action="store_true", help="the forward alone")
+    parser.add_argument("--forward", action="store_true",
+                        help="the forward alone, FlashKDA's and ours in one pass too")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of rotated order")
     add_arguments(parser, "kernel_split")
     args = parser.parse_args()
     results = Results.from_args("kernel_split", args)
@@ -73,26 +131,26 @@ def main() -> None:
     case = f"chunk_kda {step_name} B=1 T={args.length} H={args.heads} D=128 bf16" + (
         ", softplus gate" if args.softplus else "") + (
         ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
-    leaves = [t.requires_grad_() for t in x.values()]
-    grad_o = torch.randn_like(x["v"])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
           f"H={args.heads} D=128 bf16, {options}")  # fmt: skip
-    libraries = (("ours", "kda-ops", kda_ops.chunk_kda), ("FLA", "fla", fla_chunk_kda))
-    for name, library, chunk_kda in libraries:
+    steps = forward_steps(x, options) if args.forward else training_steps(x, options)
 
-        def step(chunk_kda=chunk_kda):
-            if args.forward:
-                with torch.no_grad():
-                    return chunk_kda(**x, **options)
-            o, _ = chunk_kda(**x, **options)
-            return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+    def profiled(library: str) -> Counter:
+        step, context = steps[library]
+        with torch.no_grad() if args.forward else contextlib.nullcontext(), context():
+            times = kernel_times_us(step, args.steps)
+        print_table(NAMES[library], times)
+        return times
 
-        times = kernel_times_us(step, args.steps)
-        print_table(name, times)
-        results.add([row(case, library, "step_time", [sum(times.values())], "us",
+    calls = {library: partial(profiled, library) for library in steps}
+    rounds = rotated_rounds(calls, args.rounds, timer=lambda call: call())
+    for library, times in rounds.items():
+        kernels = sum(times, Counter()).most_common()
+        results.add([row(case, library, "step_time", [sum(t.values()) for t in times], "us",
                          steps=args.steps)] + [
-            row(case, library, "kernel_time", [us], "us", kernel=kernel, steps=args.steps)
-            for kernel, us in times.most_common()])  # fmt: skip
+            row(case, library, "kernel_time", [t[kernel] for t in times], "us",
+                kernel=kernel, steps=args.steps)
+            for kernel, _ in kernels])  # fmt: skip
     print(f"\nwrote {results.path}")
 
 
