@@ -69,16 +69,16 @@ def _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
 
 
 @triton.jit
-def program_chunk(window_first, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
-                  IS_VARLEN: tl.constexpr, C: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
-    """(global number, first token, tokens left in its sequence from there) of this token-
-    parallel program's chunk of C tokens. ``WINDOW`` = 0: the chunk numbered as the
-    program (``locate_chunk``). Else only chunks ``[window_first, window_first + WINDOW)``
-    of each sequence (the pipelined forward's time windows, ``launch.py``): at fixed
-    length ``WINDOW`` programs a sequence; packed, the programs of the grid over every
-    chunk whose chunk lies outside get none (sequences times ``WINDOW`` programs could be
-    many more than chunks)."""
-    pid = tl.program_id(0)
+def program_chunk(pid, window_first, cu_seqlens, chunk_offsets, n_seqs, length,
+                  BN: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr,
+                  WINDOW: tl.constexpr):  # fmt: skip
+    """(global number, first token, tokens left in its sequence from there) of the chunk of
+    C tokens of a token-parallel program numbered ``pid`` along the chunks. ``WINDOW`` =
+    0: the chunk numbered as the program (``locate_chunk``). Else only chunks
+    ``[window_first, window_first + WINDOW)`` of each sequence (the pipelined forward's
+    time windows, ``launch.py``): at fixed length ``WINDOW`` programs a sequence; packed,
+    the programs of the grid over every chunk whose chunk lies outside get none (sequences
+    times ``WINDOW`` programs could be many more than chunks)."""
     if WINDOW == 0:
         i_c = pid
         start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
@@ -180,6 +180,19 @@ def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constex
                 b_g += bias[None, :]
         b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
     return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
+
+
+@triton.jit
+def activate_scalar_gate(raw_g, rate, bias, lower_bound, in_seq, USE_GATE: tl.constexpr,
+                         HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+    """Activated log-decay of a scalar gate's rows (``raw_g`` [ROWS]), [ROWS] fp32; 0 on
+    padding rows: one activation a row, where ``activate_gate`` broadcasts it over K."""
+    b_g = raw_g.to(tl.float32)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            b_g += bias
+        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+    return tl.where(in_seq, b_g, 0.0)
 
 
 @triton.jit

@@ -15,13 +15,15 @@ from torch import Tensor
 
 from kda_ops import arguments
 from kda_ops.kernels.chunk import FORWARD_CHUNK
-from kda_ops.kernels.chunk.device import BLOCK
+from kda_ops.kernels.chunk.device import BLOCK, CHUNK
 from kda_ops.kernels.chunk.pipeline import PrepareStep, run_pipelined
 from kda_ops.kernels.chunk.planning import (
     dot_block,
+    forward_chunk,
     pipeline_window_steps,
     prepare_flags,
     prepare_warps,
+    single_prepare_pass,
 )
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
@@ -39,12 +41,13 @@ def chunk_plan(
     options: DeltaRuleOptions,
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
+    chunk: int = FORWARD_CHUNK,
 ) -> LaunchPlan:
     """The chunked forward as launches, the recurrence in one serial scan per sequence:
     the prepare kernel's, then :func:`recurrence_launches`. Results ``"o"`` and
     ``"final_state"``; :func:`launch_chunk_kda` says what they hold and what the arguments
     are. Plans from symbolic shapes too (a traced graph)."""
-    prepare = plan_prepare(inputs, cu_seqlens, options)
+    prepare = plan_prepare(inputs, cu_seqlens, options, chunk)
     o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
     launches = prepare.launches() + recurrence_launches(
         prepare.intermediates, initial_state, cu_seqlens, prepare.chunk_offsets,
@@ -62,6 +65,7 @@ def launch_chunk_kda(
     output: bool = True,
     segments: Optional[int] = None,
     window_steps: Optional[int] = None,
+    chunk: Optional[int] = None,
 ) -> tuple[Optional[Tensor], Tensor]:
     """Chunked forward; returns o ``[B, T, HV, V]`` (v's dtype; ``None`` with
     ``output=False``, which skips the output products) and the fp32 final state.
@@ -79,19 +83,26 @@ def launch_chunk_kda(
     (``segmented_recurrence``; fixed length with ``T % (64 * segments) == 0``); ``None``
     lets :func:`recurrence_segments` choose from the shapes. ``window_steps``: with one
     segment, the 16-token steps of a time window of the pipelined forward
-    (``pipeline.py``), 0 for one pass over the sequences; ``None`` lets
-    :func:`pipeline_window_steps` choose."""
+    (``pipeline.py``; 16-token chunks only), 0 for one pass over the sequences; ``None``
+    lets :func:`pipeline_window_steps` choose. ``chunk``: the prepare's chunk and the
+    recurrence's step, 16 or 64 tokens; ``None`` lets :func:`forward_chunk` choose."""
     batch, length, value_heads, head_v = inputs.v.shape
     device = inputs.q.device
+    if chunk is None:
+        chunk = forward_chunk(batch, length, value_heads, head_v, cu_seqlens, device)
+    if chunk not in (FORWARD_CHUNK, CHUNK):
+        raise ValueError(f"chunk must be {FORWARD_CHUNK} or {CHUNK} tokens, got {chunk}")
     if segments is None:
         segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
     if window_steps is None:
         window_steps = pipeline_window_steps(length, cu_seqlens is not None, device)
+    if chunk != FORWARD_CHUNK:
+        window_steps = 0
     if segments == 1 and window_steps == 0:
         results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
-                             output).run()  # fmt: skip
+                             output, chunk).run()  # fmt: skip
         return results["o"], results["final_state"]
-    prepare = plan_prepare(inputs, cu_seqlens, options)
+    prepare = plan_prepare(inputs, cu_seqlens, options, chunk)
     o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
     if segments > 1:
         for launch in prepare.launches():
@@ -105,11 +116,10 @@ def launch_chunk_kda(
 
 
 def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
-                 options: DeltaRuleOptions) -> PrepareStep:  # fmt: skip
-    """The prepare kernel's :class:`PrepareStep` for ``inputs``, its intermediates
-    allocated."""
+                 options: DeltaRuleOptions, chunk: int = FORWARD_CHUNK) -> PrepareStep:  # fmt: skip
+    """The prepare kernel's :class:`PrepareStep` for ``inputs`` in chunks of ``chunk``
+    tokens (16 or 64), its intermediates allocated."""
     q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
-    chunk = FORWARD_CHUNK
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
     if cu_seqlens is None:
@@ -128,7 +138,7 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_empty(n_chunks, value_heads, chunk, chunk)
     writes = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
-    if flags["SAFE_GATE"]:
+    if single_prepare_pass(flags):
         passes, unbounded = ("all",), None
     else:
         passes = ("bounded", "unbounded")

@@ -27,6 +27,13 @@ def uses_safe_gate(lower_bound: Optional[float], has_gate: bool, dtype: torch.dt
     )
 
 
+def single_prepare_pass(flags: dict[str, object]) -> bool:
+    """Whether the prepare kernel runs in one ``"all"`` launch that redoes no chunk: with
+    the safe gate (dense diagonal blocks in range) or a scalar gate (exact dense diagonal
+    blocks); else a ``"bounded"`` and an ``"unbounded"`` launch (``prepare.py``)."""
+    return bool(flags["SAFE_GATE"] or flags["SCALAR_GATE"])
+
+
 def prepare_flags(
     inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor], options: DeltaRuleOptions
 ) -> dict[str, object]:
@@ -82,6 +89,13 @@ def pipeline_window_steps(length: int, packed: bool, device: torch.device) -> in
     if length < PIPELINE_WINDOWS * MIN_WINDOW_TOKENS:
         return 0
     return cdiv(cdiv(length, FORWARD_CHUNK), PIPELINE_WINDOWS)
+
+
+def forward_chunk(batch: int, length: int, value_heads: int, head_v: int,
+                  cu_seqlens: Optional[Tensor], device: torch.device) -> int:  # fmt: skip
+    """Tokens of the inference forward's prepare chunks and recurrence steps:
+    ``FORWARD_CHUNK`` (16; the package docstring says why)."""
+    return FORWARD_CHUNK
 
 
 def dot_block(n: int) -> int:

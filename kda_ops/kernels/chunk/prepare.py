@@ -28,7 +28,12 @@ with its blocks' pairs split dyadically (four levels of two dots, every factor a
 flagging those out of range in an int8 ``[chunks, HV]`` buffer) then ``"unbounded"``
 (the flagged ones, dyadic), so that each launch compiles one path: a kernel holding both
 paths spills heavily, while the bounded launch alone compiles to about the safe gate's
-kernel."""
+kernel.
+
+A scalar gate (Gated DeltaNet, ``SCALAR_GATE``) has one decay a row: its activation,
+cumulative sum and exponentials are ``[BLOCK]`` vectors, and a diagonal block is one
+dense dot times exp(G_i - G_j) per pair (``scalar_diagonal_block``), exact for any decay:
+one ``"all"`` launch that never redoes a chunk (``single_prepare_pass``)."""
 
 import triton
 import triton.language as tl
@@ -37,6 +42,7 @@ from kda_ops.kernels.chunk.device import (
     BLOCK,
     LOG2_BLOCK,
     activate_gate,
+    activate_scalar_gate,
     beta_rows,
     block_cumsum,
     dyadic_level,
@@ -149,6 +155,23 @@ def diagonal_block(r_q, r_k, q_in, k_in, to_start, decay, DOT_DTYPE: tl.constexp
 
 
 @triton.jit
+def scalar_diagonal_block(r_q, r_k, local_rows, DOT_DTYPE: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """``diagonal_block`` for a scalar gate: (q_i · k_j, k_i · k_j) times exp(G_i - G_j)
+    for j <= i from the rows' cumulative log-decay ``local_rows`` [BLOCK]; the exponent is
+    at most 0 there, so one dense dot each is exact for any decay. Entries above the
+    diagonal are 0."""
+    sub = tl.arange(0, BLOCK)
+    causal = sub[:, None] >= sub[None, :]
+    pair_decay = fast_exp(tl.where(causal, local_rows[:, None] - local_rows[None, :], 0.0))
+    pair_decay = tl.where(causal, pair_decay, 0.0)
+    cols = tl.trans(r_k.to(DOT_DTYPE))
+    kk = tl.dot(r_k.to(DOT_DTYPE), cols, input_precision=DOT_PRECISION) * pair_decay
+    qk = tl.dot(r_q.to(DOT_DTYPE), cols, input_precision=DOT_PRECISION) * pair_decay
+    return qk, kk
+
+
+@triton.jit
 def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
                 remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g,
                 q_norm, k_norm, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -171,13 +194,22 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     in_seq = i_b * BLOCK + sub < remaining
-    b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
-                        SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
-    local, block_decay = block_cumsum(b_g, BLOCK, BK)  # padding rows add no decay
     rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     mask = in_seq[:, None] & mask_k[None, :]
-    if cum_g is not None:
-        tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
+    if SCALAR_GATE:
+        g_rows = activate_scalar_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq,
+                                      USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+        local_rows = tl.cumsum(g_rows, axis=0)
+        block_decay = tl.sum(g_rows, axis=0)
+        if cum_g is not None:
+            cum_rows = decay_before[None, :] + local_rows[:, None]
+            tl.store(cum_g + rows, cum_rows, mask=mask)
+    else:
+        b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
+                            SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+        local, block_decay = block_cumsum(b_g, BLOCK, BK)  # padding rows add no decay
+        if cum_g is not None:
+            tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
     if q_norm is not None and USE_L2NORM:
         tl.store(q_norm + tokens * HV + i_hv, inverse_norm(r_q.to(tl.float32)), mask=in_seq)
         tl.store(k_norm + tokens * HV + i_hv, inverse_norm(r_k.to(tl.float32)), mask=in_seq)
@@ -186,23 +218,32 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
     r_beta = beta_rows(r_beta, in_seq, USE_BETA_SIGMOID)
     r_v = r_v.to(tl.float32)
 
-    from_start = fast_exp(local)
-    # exp(-local) as the reciprocal: the cumulative sum's tile leaves the scan in a layout
-    # of its own, and one exponential of it changes layout instead of two
-    # (``tools/sass_report.py``: 128 fewer shared-memory bytes a thread, 4 fewer barriers).
-    to_start = fast_reciprocal(from_start)
-    k_in = r_k * from_start
-    q_in = r_q * from_start
-    qk, kk = diagonal_block(r_q, r_k, q_in, k_in, to_start, b_g, qg.dtype.element_ty,
-                            SAFE_GATE, DOT_PRECISION, False)  # fmt: skip
+    if SCALAR_GATE:
+        # One decay a row: every factor a [BLOCK] vector, and the diagonal block's decay
+        # exp(G_i - G_j) per pair, at most 1 for j <= i, exact for any gate.
+        from_start = fast_exp(local_rows)
+        k_in = r_k * from_start[:, None]
+        q_in = r_q * from_start[:, None]
+        qk, kk = scalar_diagonal_block(r_q, r_k, local_rows, qg.dtype.element_ty,
+                                       DOT_PRECISION)  # fmt: skip
+        k_out = r_k * fast_exp(block_decay - local_rows)[:, None]
+    else:
+        from_start = fast_exp(local)
+        # exp(-local) as the reciprocal: the cumulative sum's tile leaves the scan in a
+        # layout of its own, and one exponential of it changes layout instead of two
+        # (``tools/sass_report.py``: fewer shared-memory bytes and barriers).
+        to_start = fast_reciprocal(from_start)
+        k_in = r_k * from_start
+        q_in = r_q * from_start
+        qk, kk = diagonal_block(r_q, r_k, q_in, k_in, to_start, b_g, qg.dtype.element_ty,
+                                SAFE_GATE, DOT_PRECISION, False)  # fmt: skip
+        if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block
+            k_out = r_k * to_start * fast_exp(block_decay)[None, :]
+        else:
+            k_out = r_k * fast_exp(block_decay[None, :] - local)
     qk = tl.where(sub[:, None] >= sub[None, :], qk * scale, 0.0)
     tl.store(aqk_rows + i_b * BLOCK * (C + 1), qk.to(aqk_rows.dtype.element_ty))
     a_kk = tl.where(sub[:, None] > sub[None, :], r_beta[:, None] * kk, 0.0)
-
-    if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block
-        k_out = r_k * to_start * fast_exp(block_decay)[None, :]
-    else:
-        k_out = r_k * fast_exp(block_decay[None, :] - local)
     to_chunk_start = fast_exp(decay_before)[None, :]
     rhs_w = r_beta[:, None] * k_in * to_chunk_start
     rhs_u = r_beta[:, None] * r_v
@@ -311,11 +352,17 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
     rebuilds G), for the backward's prepare kernel: which chunks a launch prepares is
     ``CHUNKS`` (module docstring), ``unbounded`` holding the flags between a "bounded"
     and an "unbounded" launch."""
-    i_hv = tl.program_id(1)
+    # The (chunk, value head) grid read as one index, value heads fastest: the value heads
+    # that share a q / k head (grouped value heads) run side by side and read their q and
+    # k rows once from memory, the second time from L2.
+    flat = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    i_hv = flat % HV
     i_h = i_hv // (HV // H)
-    i_c, start, remaining = program_chunk(window_first, cu_seqlens, chunk_offsets, n_seqs,
-                                          length, BN, IS_VARLEN, BLOCKS * BLOCK,
-                                          WINDOW)  # fmt: skip
+    i_c, start, remaining = program_chunk(
+        flat // HV, window_first=window_first, cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets, n_seqs=n_seqs, length=length, BN=BN, IS_VARLEN=IS_VARLEN,
+        C=BLOCKS * BLOCK, WINDOW=WINDOW,
+    )  # fmt: skip
     if remaining > 0:
         # fmt: off
         if CHUNKS == "unbounded":
@@ -334,7 +381,7 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
             if not SAFE_GATE:
                 if CHUNKS == "bounded":
                     tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
-                elif fits == 0:  # "all": redo this chunk here, overwriting every output
+                elif not SCALAR_GATE and fits == 0:  # "all": redo it, overwriting all
                     tl.debug_barrier()  # the dense pass's stores land first
                     _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
                                    remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
@@ -482,4 +529,5 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     smallest = tl.min(least, axis=0)
     if pair_limits is not None:
         tl.store(pair_limits + i_c * HV + i_hv, (smallest < -PAIRS_DENSE_LIMIT).to(tl.int8))
-    return smallest >= -dense_decay_limit(qg.dtype.element_ty)
+    # A scalar gate's diagonal blocks are exact for any decay (``scalar_diagonal_block``).
+    return (smallest >= -dense_decay_limit(qg.dtype.element_ty)) | SCALAR_GATE

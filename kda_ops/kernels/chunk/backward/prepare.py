@@ -21,6 +21,7 @@ from kda_ops.kernels.chunk.backward.layout import Layout
 from kda_ops.kernels.chunk.backward.saved import SavedForBackward, empty_saved
 from kda_ops.kernels.chunk.device import CHUNK_BLOCKS
 from kda_ops.kernels.chunk.launch import scan_chunks
+from kda_ops.kernels.chunk.planning import single_prepare_pass
 from kda_ops.kernels.chunk.prepare import prepare_chunks
 from kda_ops.kernels.sizes import next_power_of_2
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
@@ -72,8 +73,9 @@ def prepare_backward(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     # redoes dyadically.
     passes, flagged, redo = ("all",), None, None
     if not layout.flags["SAFE_GATE"]:
-        passes, flagged = ("bounded", "unbounded"), saved.unbounded
-        redo = torch.empty_like(flagged)
+        flagged = saved.unbounded
+    if not single_prepare_pass(layout.flags):
+        passes, redo = ("bounded", "unbounded"), torch.empty_like(flagged)
     for chunks in passes:
         chunk_bwd_prepare_kernel[(layout.n_chunks, value_heads)](
             q, k, v, g, beta, A_log, dt_bias, cu_seqlens, layout.chunk_offsets, scale,

@@ -16,13 +16,14 @@ VARIANTS = {
     "softplus_gate": (True, None, False),
     "pregated": (False, None, False),
     "gdn": (True, None, True),
+    "gdn_pregated": (False, None, True),
 }
 
 
 def run(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True, gate_shift=0.0,
-        **shape):  # fmt: skip
+        chunk=None, **shape):  # fmt: skip
     """Kernel and float64 reference on the same random inputs (``gate_shift`` added to
-    the raw gate)."""
+    the raw gate; ``chunk``: ``launch_chunk_kda``'s)."""
     gate, lower_bound, scalar_gate = VARIANTS[variant]
     x = delta_rule_inputs(raw_gate=gate, unit_qk=not gate, scalar_gate=scalar_gate,
                           dtype=torch.float32, **shape)  # fmt: skip
@@ -34,7 +35,7 @@ def run(variant, dtype=torch.float32, cu_seqlens=None, initial_state=True, gate_
             x.initial_state if initial_state else None, cu_seqlens, 0.3,
             lower_bound if gate else None, gate, gate)  # fmt: skip
     expected = reference.delta_rule(reference.recurrent_delta_rule, *args)
-    return launch_chunk_kda(*grouped(*args)), expected
+    return launch_chunk_kda(*grouped(*args), chunk=chunk), expected
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -75,6 +76,47 @@ def test_large_decays_inside_a_block(variant):
     assert o.isfinite().all() and state.isfinite().all()
     assert relative_error(o, o_ref) < TOLERANCE[torch.float32]
     assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("variant", ["gdn", "gdn_pregated"])
+def test_scalar_gate_large_decays_in_one_pass(monkeypatch, variant):
+    """A scalar gate's diagonal blocks are exact for any decay: decays of ~10 per token
+    (e^160 over a block) in one "all" launch of the prepare kernel, finite and exact."""
+    passes = []
+    kernel = launch.PrepareStep.launches
+
+    def recorded(step, *args):
+        launches = kernel(step, *args)
+        passes.extend(launched.args["CHUNKS"] for launched in launches)
+        return launches
+
+    monkeypatch.setattr(launch.PrepareStep, "launches", recorded)
+    shift = 10.0 if variant == "gdn" else -10.0  # pregated g is the log-decay
+    (o, state), (o_ref, state_ref) = run(variant, gate_shift=shift, length=70, heads=1,
+                                         value_heads=2, head_k=16, head_v=16)  # fmt: skip
+    assert passes == ["all"]
+    assert o.isfinite().all() and state.isfinite().all()
+    assert relative_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "gdn_pregated"])
+@pytest.mark.parametrize("bounds", [None, [0, 1, 70, 150]])
+def test_64_token_chunks(variant, bounds):
+    """The forward in 64-token prepare chunks and recurrence steps (``chunk=64``, which
+    ``forward_chunk`` picks for long scans): a partial last chunk, fixed length and
+    packed."""
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, device=DEVICE).int()
+    shape = dict(batch=2, length=70) if bounds is None else dict(length=150, n_seqs=3)
+    (o, state), (o_ref, state_ref) = run(variant, cu_seqlens=cu_seqlens, chunk=64, heads=1,
+                                         value_heads=2, head_k=16, head_v=16, **shape)  # fmt: skip
+    assert relative_error(o, o_ref) < TOLERANCE[torch.float32]
+    assert relative_error(state, state_ref) < TOLERANCE[torch.float32]
+
+
+def test_chunk_must_be_16_or_64():
+    with pytest.raises(ValueError, match="chunk must be 16 or 64"):
+        run("gdn", chunk=32, length=20, head_k=16)
 
 
 def test_dense_and_dyadic_chunks_in_one_call():
