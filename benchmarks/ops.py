@@ -434,6 +434,114 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
           f"FLA {peaks['fla']:.2f}", flush=True)  # fmt: skip
 
 
+# ----------------------------------------------------------------------------------------
+# Gated DeltaNet (one decay a head): kda-ops against FLA's chunk_gated_delta_rule
+
+
+def gdn_inputs(batch, length, heads, value_heads, dim=128, dtype=torch.bfloat16):
+    """Qwen3-Next's layer core: q, k ``[B, T, H, D]``, v ``[B, T, HV, D]``, a raw scalar
+    gate and beta ``[B, T, HV]``; A_log and dt_bias ``[HV]`` for the in-kernel gate."""
+
+    def rand(*shape, dtype=dtype):
+        return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+    return dict(
+        q=rand(batch, length, heads, dim), k=rand(batch, length, heads, dim),
+        v=rand(batch, length, value_heads, dim), g=rand(batch, length, value_heads),
+        beta=rand(batch, length, value_heads),
+        A_log=torch.rand(value_heads, device=DEVICE) * 2.0 - 1.0,
+        dt_bias=rand(value_heads, dtype=torch.float32),
+    )  # fmt: skip
+
+
+GDN_OPTIONS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True)  # fmt: skip
+
+
+def fla_chunk_gdn():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def gdn_reference_output(x: dict) -> torch.Tensor:
+    """The float64 reference's o on the first value head's group (one q/k head)."""
+    group = x["v"].shape[2] // x["q"].shape[2]
+    part = {name: (t[:group] if t.dim() == 1 else t[:, :, :1] if name in ("q", "k")
+                   else t[:, :, :group]).double() for name, t in x.items()}  # fmt: skip
+    o, _ = kda_ops.chunk_kda(**part, **GDN_OPTIONS)
+    return o
+
+
+def bench_gdn(s: Settings, batch=1, length=32768, heads=16, value_heads=32, dim=128) -> None:
+    """Forward, eager and replayed from a CUDA graph, and o against float64."""
+    x = gdn_inputs(batch, length, heads, value_heads, dim)
+    peer = fla_chunk_gdn()
+    calls = {"kda-ops": lambda: kda_ops.chunk_kda(**x, **GDN_OPTIONS)[0],
+             "fla": lambda: peer(**x, **GDN_OPTIONS)[0]}  # fmt: skip
+    case = f"gdn fwd B={batch} T={length} H={heads} HV={value_heads} D={dim} bf16"
+    nbytes = (2 * x["q"].numel() + 2 * x["v"].numel()) * 2  # q, k, v in, o out
+    extra = dict(batch=batch, T=length, H=heads, HV=value_heads, D=dim)
+    with torch.no_grad():
+        measure(case, "eager", calls, s, nbytes, **extra)
+        if s.graph:
+            measure_replays(case, calls, s, nbytes, **extra)
+        want = gdn_reference_output(x)
+        group = want.shape[2]
+        rows = [row(case, name, "o_error_vs_float64", [relative_error(call()[:, :, :group],
+                                                                      want)], "relative")
+                for name, call in calls.items()]  # fmt: skip
+    if s.results is not None:
+        s.results.add(rows)
+    print("    o vs float64: " + ", ".join(f"{r['library']} {r['median']:.2e}" for r in rows))
+
+
+def bench_gdn_training(s: Settings, batch=1, length=32768, heads=16, value_heads=32,
+                       dim=128) -> None:  # fmt: skip
+    """Training step (forward + backward of every input), eager and replayed, with its
+    peak memory. fla-core 0.6.0 refuses GDN training on Hopper with Triton 3.4-3.7.0
+    (FLA #640): its row then records the refusal."""
+    x = gdn_inputs(batch, length, heads, value_heads, dim)
+    leaves = [t.requires_grad_() for t in x.values()]
+    grad_o = torch.randn_like(x["v"])
+    peer = fla_chunk_gdn()
+
+    def train_step(chunk):
+        def step():
+            o, _ = chunk(**x, **GDN_OPTIONS)
+            return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+
+        return step
+
+    steps = {"kda-ops": train_step(kda_ops.chunk_kda), "fla": train_step(peer)}
+    case = f"gdn fwd+bwd B={batch} T={length} H={heads} HV={value_heads} D={dim} bf16"
+    measure(case, "eager", steps, s)
+    if s.graph:
+        measure_replays(case, {"kda-ops": steps["kda-ops"]}, s)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    steps["kda-ops"]()
+    torch.cuda.synchronize()
+    gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    if s.results is not None:
+        s.results.add(row(case, "kda-ops", "peak_memory", [gib], "GiB"))
+    print(f"    kda-ops peak GiB above the inputs: {gib:.2f}", flush=True)
+
+
+def bench_gdn_decode(s: Settings, batch=256, heads=16, value_heads=32, dim=128) -> None:
+    """One token a sequence with the fp32 state in and out: state traffic per second."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    x = gdn_inputs(batch, 1, heads, value_heads, dim)
+    state = torch.randn(batch, value_heads, dim, dim, device=DEVICE)
+    options = dict(GDN_OPTIONS, initial_state=state, output_final_state=True)
+    calls = {"kda-ops": lambda: kda_ops.fused_recurrent_kda(**x, **options),
+             "fla": lambda: fused_recurrent_gated_delta_rule(**x, **options)}  # fmt: skip
+    case = f"gdn decode B={batch} H={heads} HV={value_heads} D={dim} fp32 state"
+    measure(case, "eager", calls, s, 2 * state.numel() * 4)
+
+
 BENCHES = {
     "chunk96": lambda s: bench_chunk(s, 96),
     "chunk64": lambda s: bench_chunk(s, 64),
@@ -447,6 +555,12 @@ BENCHES = {
     "chunk_backward_kept": lambda s: bench_chunk_backward(s, disable_recompute=True),
     "chunk_backward_kept96": lambda s: bench_chunk_backward(s, heads=96, disable_recompute=True),
     "decode": bench_decode,
+    "gdn32k": bench_gdn,
+    "gdn8k": lambda s: bench_gdn(s, length=8192),
+    "gdn_batch": lambda s: bench_gdn(s, batch=8, length=4096),
+    "gdn64": lambda s: bench_gdn(s, value_heads=64),
+    "gdn_training": bench_gdn_training,
+    "gdn_decode": bench_gdn_decode,
     "norm": bench_gated_norm,
     "conv": bench_conv_update,
     "conv_prefill": bench_conv_prefill,

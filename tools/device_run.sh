@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU machine's driver: ``tools/device_run.sh PHASE...`` from the repository root runs
+# each phase in turn under its own time limit and writes logs and results under $OUT.
+#
+# Phases: tests (the GDN and forward GPU tests), tests_all (every GPU test), variants (the
+# long sequence with forced chunk / segment choices, KDA and GDN), gdn (benchmarks/ops.py's
+# GDN rows against FLA), kda (the KDA forward and training rows against FLA and FlashKDA),
+# sweep (the long-sequence sweep with its plot), baseline (the GDN rows from .baseline,
+# an earlier commit's kda_ops), fla_suite (FLA's own KDA / GDN tests
+# against kda-ops). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
+# FlashKDA from .peers/FlashKDA where it was built.
+# Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote).
+set -uo pipefail
+OUT=${OUT:-/tmp/kda-ops-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FLA_DISABLE_BACKEND_DISPATCH=1 FLA_FLASH_KDA=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ -d .peers/FlashKDA ]; then
+    export PYTHONPATH="$PYTHONPATH:$PWD/.peers/FlashKDA"
+fi
+nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
+
+TESTS_S=${TESTS_S:-300}
+BENCH_S=${BENCH_S:-300}
+FORWARD_TESTS=(
+    tests/kda_ops/test_gpu_gdn.py
+    "tests/kda_ops/test_gpu.py::test_chunk_against_float64_reference"
+    "tests/kda_ops/test_gpu.py::test_chunk_recurrence_in_segments_against_float64_reference"
+    "tests/kda_ops/test_gpu.py::test_chunk_pipelined_windows_match_one_pass"
+    "tests/kda_ops/test_gpu.py::test_chunk_states_against_float64_reference"
+    "tests/kda_ops/test_gpu.py::test_chunk_against_fla_long"
+    "tests/kda_ops/test_gpu.py::test_chunk_extreme_gates_are_finite"
+    "tests/kda_ops/test_gpu.py::test_chunk_backward_against_float64_reference"
+)
+
+for phase in "$@"; do
+    echo "== $phase $(date -u +%T)"
+    case "$phase" in
+    tests)
+        timeout "$TESTS_S" python3 -m pytest -q -x -p no:cacheprovider "${FORWARD_TESTS[@]}" \
+            2>&1 | tee "$OUT/tests.log" | tail -n 30
+        ;;
+    tests_all)
+        timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+            2>&1 | tee "$OUT/tests_all.log" | tail -n 30
+        ;;
+    variants)
+        timeout "$BENCH_S" python3 benchmarks/long_sequence.py --variants --no-shared-machine \
+            --kinds gdn kda --lengths 32768 131072 --heads 16 32 --budget-s $((BENCH_S - 60)) \
+            --out "$OUT/long_sequence_variants.json" 2>&1 | tail -n 60
+        ;;
+    sweep)
+        timeout "$BENCH_S" python3 benchmarks/long_sequence.py --no-shared-machine --fla \
+            --budget-s $((BENCH_S - 60)) --plot "$OUT/long_sequence.png" \
+            --out "$OUT/long_sequence.json" 2>&1 | tail -n 60
+        ;;
+    gdn)
+        timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
+            --only gdn32k gdn8k gdn_batch gdn64 gdn_training gdn_decode \
+            --out "$OUT/ops_gdn.json" 2>&1 | tail -n 40
+        ;;
+    baseline)
+        # The same GDN rows from the checkout's parent commit (.baseline: `git archive` of
+        # kda_ops and lowering), in a process of their own.
+        PYTHONPATH="$PWD/.baseline:$PYTHONPATH" timeout "$BENCH_S" python3 benchmarks/ops.py \
+            --no-shared-machine --rounds 3 --only gdn32k gdn8k gdn64 gdn_training \
+            --out "$OUT/ops_gdn_baseline.json" 2>&1 | tail -n 30
+        ;;
+    kda)
+        timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
+            --only chunk64 chunk96 chunk_backward --out "$OUT/ops_kda.json" 2>&1 | tail -n 40
+        ;;
+    fla_suite)
+        timeout "$TESTS_S" python3 tools/fla_suite.py 2>&1 | tee "$OUT/fla_suite.log" | tail -n 30
+        ;;
+    *)
+        echo "unknown phase $phase" >&2
+        exit 2
+        ;;
+    esac
+done
+echo "== done $(date -u +%T)"
