@@ -150,6 +150,19 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
                                                 WINDOW=0))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
+    **{  # Gated DeltaNet's scalar gate, one launch: 16-token (inference) and 64-token chunks
+        f"chunk_prepare_kernel/scalar_gate/{16 * blocks}": (
+            "chunk.prepare", "chunk_prepare_kernel",
+            dict(PREPARE, H=16, SCALAR_GATE=True, SAFE_GATE=False, USE_LOWER_BOUND=False,
+                 CHUNKS="all", BLOCKS=blocks, WINDOW=0),
+        )
+        for blocks in (FORWARD_CHUNK // 16, 4)
+    },
+    "chunk_bwd_prepare_kernel/scalar_gate": (
+        "chunk.backward.prepare", "chunk_bwd_prepare_kernel",
+        dict(PREPARE, H=16, SCALAR_GATE=True, SAFE_GATE=False, USE_LOWER_BOUND=False,
+             CHUNKS="all"),
+    ),
     # the pipelined forward's prepare: 128 chunks of every sequence
     "chunk_prepare_kernel/window": WINDOW_PREPARE,
     # the windows' kernels at their register caps (``window_registers``)
