@@ -9,7 +9,9 @@
 # an earlier commit's kda_ops), fla_suite (FLA's own KDA / GDN tests
 # against kda-ops). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
 # FlashKDA from .peers/FlashKDA where it was built.
-# Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote).
+# Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote), and
+# VARIANTS_S (each of the variants phase's two runs), GDN_S; GDN_ROWS, BASELINE_ROWS:
+# ops.py's GDN rows of the gdn and baseline phases.
 set -uo pipefail
 OUT=${OUT:-/tmp/kda-ops-out}
 mkdir -p "$OUT"
@@ -49,9 +51,13 @@ for phase in "$@"; do
             2>&1 | tee "$OUT/tests_all.log" | tail -n 30
         ;;
     variants)
-        timeout "$BENCH_S" python3 benchmarks/long_sequence.py --variants --no-shared-machine \
-            --kinds gdn kda --lengths 32768 131072 --heads 16 32 --budget-s $((BENCH_S - 60)) \
-            --out "$OUT/long_sequence_variants.json" 2>&1 | tail -n 60
+        # The two long cases: GDN 1 x 32768 at 32 value heads, KDA 1 x 131072 at 16.
+        timeout "${VARIANTS_S:-$BENCH_S}" python3 benchmarks/long_sequence.py --variants \
+            --no-shared-machine --kinds gdn --lengths 32768 --heads 32 --out "$OUT/long_sequence_variants_gdn.json" \
+            2>&1 | tail -n 30
+        timeout "${VARIANTS_S:-$BENCH_S}" python3 benchmarks/long_sequence.py --variants \
+            --no-shared-machine --kinds kda --lengths 131072 --heads 16 --out "$OUT/long_sequence_variants_kda.json" \
+            2>&1 | tail -n 30
         ;;
     sweep)
         timeout "$BENCH_S" python3 benchmarks/long_sequence.py --no-shared-machine --fla \
@@ -59,15 +65,15 @@ for phase in "$@"; do
             --out "$OUT/long_sequence.json" 2>&1 | tail -n 60
         ;;
     gdn)
-        timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
-            --only gdn32k gdn8k gdn_batch gdn64 gdn_training gdn_decode \
+        timeout "${GDN_S:-$BENCH_S}" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
+            --only ${GDN_ROWS:-gdn32k gdn8k gdn_batch gdn64 gdn_training gdn_decode} \
             --out "$OUT/ops_gdn.json" 2>&1 | tail -n 40
         ;;
     baseline)
         # The same GDN rows from the checkout's parent commit (.baseline: `git archive` of
         # kda_ops and lowering), in a process of their own.
         PYTHONPATH="$PWD/.baseline:$PYTHONPATH" timeout "$BENCH_S" python3 benchmarks/ops.py \
-            --no-shared-machine --rounds 3 --only gdn32k gdn8k gdn64 gdn_training \
+            --no-shared-machine --rounds 3 --only ${BASELINE_ROWS:-gdn32k gdn8k gdn64 gdn_training} \
             --out "$OUT/ops_gdn_baseline.json" 2>&1 | tail -n 30
         ;;
     kda)
