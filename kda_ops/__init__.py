@@ -14,6 +14,7 @@ from kda_ops.delta_rule import (
 )
 from kda_ops.gate import kda_gate
 from kda_ops.gated_norm import gated_rms_norm
+from kda_ops.plan import explain
 from kda_ops.segmented import chunk_kda_segmented
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "chunk_kda",
     "chunk_kda_segmented",
     "chunk_offsets",
+    "explain",
     "fused_recurrent_kda",
     "fused_recurrent_kda_inplace",
     "gated_rms_norm",

@@ -31,6 +31,13 @@ import torch
 from torch import Tensor
 
 from kda_ops import arguments, kernels, reference
+from kda_ops.plan import (
+    TRAIN_OP_DTYPE,
+    DeltaRulePlan,
+    announce,
+    compute_inputs,
+    plan_delta_rule,
+)
 from kda_ops.signature import (
     DeltaRuleInputs,
     DeltaRuleOptions,
@@ -137,36 +144,39 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
     return grads + (None,) * (ctx.n_arguments - len(grads))
 
 
-# The chunk kernels' tiles hold whole head dims; past this the CUDA ops run the reference.
-CHUNK_KERNEL_MAX_HEAD_DIM = 256
-# Past this many key columns the bf16 chunk recurrence returns wrong states once a sequence
-# spans several chunks (and faults on some shapes); its fp32 build is exact there.
-BF16_CHUNK_KERNEL_MAX_KEY_DIM = 128
-
-
-def chunk_compute_dtype(q: Tensor) -> torch.dtype:
-    """The dtype ``chunk_kda`` computes q, k, v in: fp16 in fp32 (the kernels' fp16
-    intermediates w, u, qg, kd, Aqk miss FLA's tolerances, benchmarks/README.md), bf16 past
-    ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns in fp32, otherwise q's dtype."""
-    wide_bf16 = q.dtype == torch.bfloat16 and q.shape[-1] > BF16_CHUNK_KERNEL_MAX_KEY_DIM
-    return torch.float32 if q.dtype == torch.float16 or wide_bf16 else q.dtype
+def chunk_plan(inputs: DeltaRuleInputs) -> DeltaRulePlan:
+    """The plan (``kda_ops.plan``) of a chunk op on these inputs."""
+    return plan_delta_rule(inputs.q, "chunk")
 
 
 def chunk_kernels_run(inputs: DeltaRuleInputs) -> bool:
-    """Whether the Triton chunk kernels serve these CUDA inputs: not float64 (the oracle's
-    dtype), head dims the kernels' shared-memory budget holds, and not bf16 past
-    ``BF16_CHUNK_KERNEL_MAX_KEY_DIM`` key columns (``chunk_kda`` computes those in fp32;
-    the ops called directly run the reference)."""
-    q, v = inputs.q, inputs.v
-    if q.dtype == torch.float64 or max(q.shape[-1], v.shape[-1]) > CHUNK_KERNEL_MAX_HEAD_DIM:
-        return False
-    return q.dtype != torch.bfloat16 or q.shape[-1] <= BF16_CHUNK_KERNEL_MAX_KEY_DIM
+    """Whether the Triton chunk kernels serve these CUDA inputs (:func:`chunk_plan`): in
+    the plan's compute dtype, into which the forward and backward ops convert q, k and v
+    (the public functions convert them before the call)."""
+    return chunk_plan(inputs).implementation == "triton"
+
+
+def chunk_kernels_run_as_given(inputs: DeltaRuleInputs) -> bool:
+    """Whether the Triton chunk kernels serve these inputs in their own dtype (what the
+    Inductor pass that launches the kernels from the graph needs: it converts nothing)."""
+    plan = chunk_plan(inputs)
+    return plan.implementation == "triton" and plan.compute_dtype == inputs.q.dtype
 
 
 def _keeps_saved(inputs: DeltaRuleInputs) -> bool:
-    """Whether ``kda::chunk_train`` returns the backward's saved tensors (the Triton path:
-    CUDA, Triton installed, :func:`chunk_kernels_run`)."""
-    return kernels.AVAILABLE and inputs.q.device.type == "cuda" and chunk_kernels_run(inputs)
+    """Whether ``kda::chunk_train`` returns the backward's saved tensors: the Triton path in
+    the inputs' own dtype (the saved tensors' dtype is the inputs'; ``chunk_kda`` converts
+    its inputs to the plan's compute dtype before the call, so only an op called directly
+    with other inputs takes the reference here, and is told so)."""
+    if chunk_kernels_run(inputs) and not chunk_kernels_run_as_given(inputs):
+        announce(DeltaRulePlan("chunk", "reference", inputs.q.dtype, (TRAIN_OP_DTYPE,)))
+    return chunk_kernels_run_as_given(inputs)
+
+
+def _in_compute_dtype(inputs: DeltaRuleInputs) -> DeltaRuleInputs:
+    """``inputs`` with q, k, v in the chunk plan's compute dtype (announced)."""
+    q, k, v = compute_inputs(inputs.q, inputs.k, inputs.v, "chunk")
+    return inputs._replace(q=q, k=k, v=v)
 
 
 def recurrent_kernel_runs(inputs: DeltaRuleInputs) -> bool:
@@ -344,7 +354,9 @@ if kernels.AVAILABLE:
 
     @cuda_kernel(chunk_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
-        return launch_chunk_kda(inputs, initial_state, cu_seqlens, options)
+        o, final = launch_chunk_kda(_in_compute_dtype(inputs), initial_state, cu_seqlens,
+                                    options)  # fmt: skip
+        return o.to(inputs.v.dtype), final
 
     @cuda_kernel(chunk_states_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
@@ -353,15 +365,19 @@ if kernels.AVAILABLE:
         # Packed sequences leave rows past the last chunk unwritten: zero them.
         alloc = torch.empty if cu_seqlens is None else torch.zeros
         chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
-        o, final = launch_chunk_kda(inputs, initial_state, cu_seqlens, options,
-                                    chunk_states=chunk_states)  # fmt: skip
-        return o, final, chunk_states
+        o, final = launch_chunk_kda(_in_compute_dtype(inputs), initial_state, cu_seqlens,
+                                    options, chunk_states=chunk_states)  # fmt: skip
+        return o.to(v.dtype), final, chunk_states
 
     @cuda_kernel(delta_rule_backward_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options):
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
-        return launch_chunk_kda_backward(inputs, initial_state, cu_seqlens, grad_o,
-                                         grad_final_state, options)  # fmt: skip
+        computed = _in_compute_dtype(inputs)
+        grads = launch_chunk_kda_backward(computed, initial_state, cu_seqlens,
+                                          grad_o.to(computed.v.dtype), grad_final_state,
+                                          options)  # fmt: skip
+        dq, dk, dv = (grad.to(x.dtype) for grad, x in zip(grads[:3], inputs[:3]))
+        return (dq, dk, dv, *grads[3:])
 
     @cuda_kernel(chunk_train_op, runs=_keeps_saved)
     def _(inputs, initial_state, cu_seqlens, options, keep_rows):
@@ -485,7 +501,8 @@ def chunk_kda(
     Args:
         q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64; q, k and v of
             different dtypes are computed in the widest of them; float16, and bfloat16
-            past 128 key columns, in float32 (:func:`chunk_compute_dtype`).
+            past 128 key columns, in float32 (``kda_ops.plan``; ``kda_ops.explain`` says
+            how a call runs).
         v: ``[B, T, HV, V]`` with ``HV % H == 0``; value head ``hv`` reads q/k head
             ``hv // (HV // H)``. K, V <= 256.
         g: log-decay ``[B, T, HV, K]`` (KDA) or ``[B, T, HV]`` (Gated DeltaNet), or the raw
@@ -552,8 +569,8 @@ def chunk_kda(
         check, q, k, v, beta, g, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    if isinstance(q, Tensor) and chunk_compute_dtype(q) != q.dtype:
-        q, k, v = q.float(), k.float(), v.float()
+    if isinstance(q, Tensor):
+        q, k, v = compute_inputs(q, k, v, "chunk")
     inputs, options = arguments.delta_rule_arguments(
         "chunk_kda", q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid,

@@ -45,7 +45,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import arguments, kernels
-from kda_ops.delta_rule import chunk_kernels_run
+from kda_ops.delta_rule import chunk_kernels_run_as_given
 from kda_ops.kernels.launches import LaunchPlan
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash
@@ -94,12 +94,13 @@ def _grouped(args: Arguments, kind: type) -> Any:
 
 
 def _chunk_fits(args: Arguments) -> bool:
-    """Shapes the chunk kernels serve, in one serial scan per sequence: static shapes the op
-    would run in segments keep the op (``recurrence_segments``)."""
+    """Shapes the chunk kernels serve in the inputs' dtype (``kda_ops.plan``: inputs they
+    compute in another keep the op, which converts them), in one serial scan per sequence:
+    static shapes the op would run in segments keep the op (``recurrence_segments``)."""
     from kda_ops.kernels.chunk.segments import recurrence_segments
 
     inputs = _grouped(args, DeltaRuleInputs)
-    if not (_on_kernels(args) and chunk_kernels_run(inputs)):
+    if not (_on_kernels(args) and chunk_kernels_run_as_given(inputs)):
         return False
     batch, length, value_heads, head_v = inputs.v.shape
     if not all(isinstance(size, int) for size in (batch, length)):

@@ -183,7 +183,7 @@ def test_mixed_dtypes_run_in_the_widest(function):
 @pytest.mark.parametrize("dtype, head_k", [(torch.float16, 8), (torch.bfloat16, 192)])
 def test_chunk_computes_in_float32_where_the_kernels_need_it(dtype, head_k):
     """fp16, and bf16 past 128 key columns, run as the fp32 call on the same values
-    (``chunk_compute_dtype``): outputs and gradients in the input dtype."""
+    (``kda_ops.plan``, ``kda_ops.explain``): outputs and gradients in the input dtype."""
     x = delta_rule_inputs(batch=1, length=70, heads=1, value_heads=1, head_k=head_k, head_v=8)
     do = torch.randn_like(x.v).to(dtype).float()
     results = []
@@ -193,11 +193,11 @@ def test_chunk_computes_in_float32_where_the_kernels_need_it(dtype, head_k):
         o = o.to(dtype)
         (o.float() * do).sum().backward()
         results.append([o] + [qkv[n].grad.to(dtype) for n in ("q", "k", "v")])
-    assert kda_ops.delta_rule.chunk_compute_dtype(x.q.to(dtype)) == torch.float32
+    assert kda_ops.explain(x.q.to(dtype)).compute_dtype == torch.float32
     assert results[0][0].dtype == dtype and results[0][1].dtype == dtype
     for got, expected in zip(*results):
         assert torch.equal(got, expected)
-    assert kda_ops.delta_rule.chunk_compute_dtype(x.q[..., :128].bfloat16()) == torch.bfloat16
+    assert kda_ops.explain(x.q[..., :128].bfloat16()).compute_dtype == torch.bfloat16
 
 
 def test_chunk_states_in_the_input_dtype():

@@ -1,0 +1,133 @@
+"""Which code serves a delta-rule call, and in which precision: one decision
+(:func:`plan_delta_rule`) that every entry point asks, the public functions
+(``chunk_kda``, ``chunk_kda_segmented``, ``chunk_kda_cp``, the integrations through them)
+and the ops called directly alike.
+
+The rules, in order (each plan names the ones it applied in ``reasons``):
+
+1. The chunk function computes float16 inputs in float32: the chunk kernels' fp16
+   intermediates (w, u, qg, kd, Aqk) missed FLA's tolerances.
+2. It computes bfloat16 inputs past ``BF16_CHUNK_MAX_KEY_DIM`` key columns in float32:
+   the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU (its
+   fp32 build is exact there).
+3. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
+   compute dtype.
+4. float64 inputs run the reference on any device: it is the oracle's dtype, which the
+   Triton kernels (fp32 accumulation) do not compute in.
+5. On CUDA without Triton the reference serves the call, much slower.
+
+On CUDA, rules 1, 2 and 5 give a slower path than the inputs ask for: the first call that
+takes one warns, once per rule, naming the reason. :func:`explain` returns the plan
+for given inputs without running anything.
+"""
+
+import dataclasses
+import warnings
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from kda_ops import kernels
+
+Kind = Literal["chunk", "recurrent"]
+Implementation = Literal["triton", "reference"]
+
+# Past this many key columns bf16 chunk inputs are computed in fp32 (rule 5).
+BF16_CHUNK_MAX_KEY_DIM = 128
+
+FP16_IN_FP32 = (
+    "float16 chunk inputs are computed in float32 (fp16 intermediates miss FLA's tolerances)"
+)
+WIDE_BF16_IN_FP32 = (
+    f"bfloat16 chunk inputs past {BF16_CHUNK_MAX_KEY_DIM} key columns are computed in float32 "
+    "(the bf16 chunk recurrence returned wrong states there)"
+)
+NO_TRITON = "Triton is not installed: the PyTorch reference serves CUDA inputs (much slower)"
+FLOAT64 = "float64 inputs run the PyTorch reference (the oracle's dtype)"
+OFF_CUDA = "off CUDA the PyTorch reference is the kernel"
+TRAIN_OP_DTYPE = (
+    "kda::chunk_train called directly with inputs the chunk kernels compute in another dtype "
+    "runs the PyTorch reference (chunk_kda converts them first)"
+)
+# The rules that make a call slower or less precise than its inputs ask for.
+WARNED = (FP16_IN_FP32, WIDE_BF16_IN_FP32, NO_TRITON, TRAIN_OP_DTYPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRulePlan:
+    """How a delta-rule call runs: ``implementation`` ("triton": the CUDA kernels;
+    "reference": the PyTorch reference), ``compute_dtype`` (the dtype q, k and v are
+    computed in; o comes back in v's dtype), and the rules that decided it (``reasons``,
+    the module docstring's wording)."""
+
+    kind: Kind
+    implementation: Implementation
+    compute_dtype: torch.dtype
+    reasons: tuple[str, ...] = ()
+
+
+def plan_delta_rule(q: Tensor, kind: Kind, dtype: Optional[torch.dtype] = None) -> DeltaRulePlan:
+    """The plan of a ``kind`` call ("chunk": the chunked forward and backward;
+    "recurrent": the token recurrence, which computes in fp32 whatever its inputs) on q
+    ``[B, T, H, K]``, whose device and key columns it reads, and q, k and v in ``dtype``
+    (default q's: the public functions' common dtype)."""
+    dtype = q.dtype if dtype is None else dtype
+    return decide(kind, q.device.type, dtype, q.shape[-1], kernels.AVAILABLE)
+
+
+def decide(kind: Kind, device_type: str, dtype: torch.dtype, head_k: int,
+           triton_available: bool) -> DeltaRulePlan:  # fmt: skip
+    """The rules (module docstring) as a pure function of what they read. The chunk
+    function's compute dtype is the same on every device (the CPU reference computes what
+    the CUDA kernels would), so that a call gives one result wherever it runs."""
+    compute, reasons = dtype, ()
+    if kind == "chunk" and dtype == torch.float16:
+        compute, reasons = torch.float32, (FP16_IN_FP32,)
+    elif kind == "chunk" and dtype == torch.bfloat16 and head_k > BF16_CHUNK_MAX_KEY_DIM:
+        compute, reasons = torch.float32, (WIDE_BF16_IN_FP32,)
+    if device_type != "cuda":
+        return DeltaRulePlan(kind, "reference", compute, (OFF_CUDA, *reasons))
+    if dtype == torch.float64:
+        return DeltaRulePlan(kind, "reference", dtype, (FLOAT64,))
+    if not triton_available:
+        return DeltaRulePlan(kind, "reference", compute, (NO_TRITON, *reasons))
+    return DeltaRulePlan(kind, "triton", compute, reasons)
+
+
+_WARNED: set[str] = set()
+
+
+def announce(plan: DeltaRulePlan) -> None:
+    """Warns once per rule where ``plan`` takes a slower or less precise path than its
+    inputs ask for (``WARNED``). Not while tracing (the plan of a traced call is the one
+    its eager calls announce)."""
+    if torch.compiler.is_compiling() or OFF_CUDA in plan.reasons:
+        return
+    for reason in plan.reasons:
+        if reason in WARNED and reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"kda_ops: {reason}", stacklevel=3)
+
+
+def compute_inputs(q: Tensor, k: Tensor, v: Tensor, kind: Kind) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v (one dtype) in the plan's compute dtype, the plan announced."""
+    plan = plan_delta_rule(q, kind)
+    announce(plan)
+    if plan.compute_dtype != q.dtype:
+        q, k, v = q.to(plan.compute_dtype), k.to(plan.compute_dtype), v.to(plan.compute_dtype)
+    return q, k, v
+
+
+def explain(q: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+            kind: Kind = "chunk") -> DeltaRulePlan:  # fmt: skip
+    """The plan ``kda_ops.chunk_kda`` (``kind="chunk"``) or ``fused_recurrent_kda``
+    (``"recurrent"``) follows for these q, k, v ``[B, T, H, K]`` / ``[B, T, HV, V]``
+    (mixed dtypes are computed in the widest, as the functions do); nothing runs."""
+    if kind not in ("chunk", "recurrent"):
+        raise ValueError(f'explain: `kind` must be "chunk" or "recurrent", got {kind!r}')
+    dtype = q.dtype
+    for tensor in (k, v):
+        if tensor is not None:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return plan_delta_rule(q, kind, dtype)
