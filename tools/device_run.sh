@@ -7,7 +7,8 @@
 # GDN rows against FLA), kda (the KDA forward and training rows against FLA and FlashKDA),
 # sweep (the long-sequence sweep with its plot), baseline (the GDN rows from .baseline,
 # an earlier commit's kda_ops), fla_suite (FLA's own KDA / GDN tests
-# against kda-ops). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
+# against kda-ops), fuzz (tools/fuzz.py: FUZZ_CASES cases of FUZZ_SEED, each in its own
+# process). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
 # FlashKDA from .peers/FlashKDA where it was built.
 # Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote), and
 # VARIANTS_S (each of the variants phase's two runs), GDN_S; GDN_ROWS, BASELINE_ROWS:
@@ -79,6 +80,11 @@ for phase in "$@"; do
     kda)
         timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
             --only chunk64 chunk96 chunk_backward --out "$OUT/ops_kda.json" 2>&1 | tail -n 40
+        ;;
+    fuzz)
+        timeout "${FUZZ_S:-$TESTS_S}" python3 tools/fuzz.py --cases "${FUZZ_CASES:-300}" \
+            --seed "${FUZZ_SEED:-0}" --jobs 4 --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
+            | tail -n 40
         ;;
     fla_suite)
         timeout "$TESTS_S" python3 tools/fla_suite.py 2>&1 | tee "$OUT/fla_suite.log" | tail -n 30
