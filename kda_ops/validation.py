@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -122,9 +123,10 @@ class ArgumentChecker:
         return state
 
     def cu_seqlens(self, cu_seqlens: object, batch: int, length: int | None = None) -> Tensor:
-        """int32 / int64 offsets ``[N + 1]`` of packed sequences (``B == 1``), and the
-        offsets themselves (:meth:`offsets`, ending at ``length`` where given) where that
-        costs no sync: on the host always, on the device in the debug mode."""
+        """int32 / int64 offsets ``[N + 1]`` of packed sequences (``B == 1``). With
+        ``length`` (T), the offsets themselves too (:meth:`offsets`) where that costs no
+        sync: on the host always, on the device in the debug mode. Without it the caller
+        checks them (context parallelism's global offsets, against every rank's T)."""
         seqlens = self.tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=INDEX_DTYPES)
         if batch != 1:
             self.fail(
@@ -134,6 +136,8 @@ class ArgumentChecker:
             )
         if seqlens.shape[0] < 2:
             self.fail(ValueError, "`cu_seqlens` must hold at least 2 offsets [0, ..., T]")
+        if length is None:
+            return seqlens
         if _values_on_host(seqlens):
             self.offsets("cu_seqlens", seqlens, length)
         elif check_device_seqlens() and _values_on_device(seqlens):
@@ -146,7 +150,7 @@ class ArgumentChecker:
         values = offsets.tolist()
         if values[0] != 0:
             self.fail(ValueError, f"`{name}` must start at 0, got {values[0]}")
-        for i, (start, stop) in enumerate(zip(values, values[1:])):
+        for i, (start, stop) in enumerate(pairwise(values)):
             if stop < start:
                 self.fail(
                     ValueError,
@@ -203,9 +207,9 @@ def check_delta_rule(
     global_offsets: bool = False,
 ) -> int:
     """Checks the inputs shared by chunk and recurrent KDA / GDN; returns N, the number
-    of sequences (B, or ``len(cu_seqlens) - 1``). ``cu_seqlens`` ends at T, q's length,
-    unless ``global_offsets`` (context parallelism: the offsets of the whole packed batch,
-    of which q holds one rank's share)."""
+    of sequences (B, or ``len(cu_seqlens) - 1``). ``cu_seqlens``'s offsets end at T, q's
+    length, unless ``global_offsets`` (context parallelism: the offsets of the whole packed
+    batch, of which q holds one rank's share, checked by the caller against all ranks)."""
     check = ArgumentChecker(function)
     q = check.tensor("q", q, dims=4)
     k = check.tensor("k", k, dims=4)
