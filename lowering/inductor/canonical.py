@@ -18,6 +18,8 @@ did before):
   ``bias + y`` and ``y + bias``). Multiplication and addition commute exactly in IEEE
   arithmetic, and type promotion is symmetric.
 
+- a ``slice`` with its bounds as non-negative numbers within the dim, all given
+  (``[..., -1:]`` and ``[..., W - 1:]``, where the dim's size is a number);
 - ``view`` as ``reshape`` (as Inductor's own post-grad passes leave it), and chained
   ``permute`` s as one, an identity one dropped (``einsum``'s decomposition permutes and
   permutes back).
@@ -155,7 +157,16 @@ def _is_silu(node: torch.fx.Node) -> bool:
 
 
 def _is_gate(node: torch.fx.Node) -> bool:
-    return node.target in (aten.sigmoid.default, aten.silu.default) or _is_silu(node)
+    """A sigmoid or a SiLU (decomposed, or by hand as ``a * sigmoid(a)`` in either order)."""
+    if node.target in (aten.sigmoid.default, aten.silu.default) or _is_silu(node):
+        return True
+    if node.target is not aten.mul.Tensor or len(node.args) != 2:
+        return False
+    a, b = node.args
+    return any(
+        isinstance(s, torch.fx.Node) and s.target is aten.sigmoid.default and s.args[0] is t
+        for s, t in ((a, b), (b, a))
+    )
 
 
 def _order_key(node: torch.fx.Node, shape: Sequence[int]) -> tuple[bool, int, bool] | None:
@@ -196,6 +207,39 @@ def _composed_permute(node: torch.fx.Node) -> bool:
     return rewritten
 
 
+_SLICES = {aten.slice.Tensor: 1, aten.slice_scatter.default: 2}  # op -> position of dim
+
+
+def _slice_bounds(node: torch.fx.Node) -> bool:
+    """``slice(a, d, start, end, step)`` with 0 <= start <= end <= size, every argument
+    given (a dim of a number size only; :func:`_non_negative_dims` has run)."""
+    position = _SLICES[node.target]
+    args = list(node.args) + [None] * (position + 4 - len(node.args))
+    if node.kwargs:
+        return False
+    val = _val(node.args[0])
+    dim, start, end, step = args[position : position + 4]
+    dim = 0 if dim is None else dim
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or dim >= val.dim():
+        return False
+    size = val.shape[dim]
+    if not isinstance(size, int) or any(
+        b is not None and not isinstance(b, int) for b in (start, end, step)
+    ):
+        return False
+
+    def bound(b: int | None, default: int) -> int:
+        b = default if b is None else b
+        return min(max(b + size if b < 0 else b, 0), size)
+
+    start, end = bound(start, 0), bound(end, size)
+    fixed = [dim, start, max(end, start), 1 if step is None else step]
+    if args[position : position + 4] == fixed:
+        return False
+    node.args = (*args[:position], *fixed)
+    return True
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Rewrite ``graph`` in place into the canonical spelling (see module doc); returns
     the number of rewrites. Idempotent."""
@@ -208,6 +252,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         if node.target in _KEEPDIM_REDUCTIONS and _keepdim_as_unsqueeze(graph, node):
             rewrites += 1
             continue
+        if node.target in _SLICES:
+            rewrites += _slice_bounds(node)
         if node.target is aten.view.default:
             node.target = aten.reshape.default
             rewrites += 1
