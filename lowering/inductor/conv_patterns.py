@@ -129,6 +129,7 @@ def drop_write_back_copies(graph: torch.fx.Graph) -> None:
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
+SLICE_SCATTER = torch.ops.aten.slice_scatter.default
 
 
 class ConvFormulationPass(ReplacementPass):
@@ -143,6 +144,10 @@ class ConvFormulationPass(ReplacementPass):
         if not shapes_fit(match, self.channels_dim):
             return False
         return not self.write_back or written_back(match, match.output_nodes()[1])
+
+    def write_back_ops(self) -> frozenset[object]:
+        """What a graph that writes the state back calls (nothing without write-back)."""
+        return frozenset(WRITE_BACKS[:1]) if self.write_back else frozenset()
 
     def uuid(self) -> str:
         """Hash of the formulation's file, this shared one, the canonical form, the base."""
@@ -175,11 +180,18 @@ class ConvSpelling:
         """Whether y is ``[B, D, 1]`` (else ``[B, D]``)."""
         return self.reduce in ("sum_keepdim", "conv1d", "conv1d_module")
 
-    def needs(self) -> frozenset[object]:
+    def needs(self, activation: str) -> frozenset[object]:
         """Ops every graph of this spelling calls (after the decompositions)."""
-        shift = {"roll": aten.index.Tensor}.get(self.shift, aten.cat.default)
-        reduce = REDUCTION_OPS[self.reduce]
-        return frozenset({shift, reduce, *([CONVERT] if self.upcast else [])})
+        if self.shift == "roll":
+            ops = {aten.index.Tensor, aten.fmod.Scalar}
+            ops.add(aten.select_scatter.default if self.column == "unsqueeze" else SLICE_SCATTER)
+        else:
+            ops = {aten.cat.default}
+            ops |= {aten.unsqueeze.default} if self.column == "unsqueeze" else set()
+        ops.add(REDUCTION_OPS[self.reduce])
+        ops |= {CONVERT} if self.upcast else set()
+        ops |= {aten.exp.default} if activation == "silu" else set()  # SiLU decomposed
+        return frozenset(ops)
 
     def words(self) -> str:
         x = "x [B, D] unsqueezed" if self.column == "unsqueeze" else "x [B, D, 1]"
@@ -299,7 +311,8 @@ class ConvWindowPass(ConvFormulationPass):
                 words += f", {'bias, ' if bias else ''}{activation})"
                 yield Replacement(words, window_update(spelling, bias, activation),
                                   fused_window_update(spelling, bias, activation),
-                                  window_example(spelling, bias), spelling.needs())  # fmt: skip
+                                  window_example(spelling, bias),
+                                  spelling.needs(activation) | self.write_back_ops())  # fmt: skip
 
     def check(self, match: Match) -> bool:
         """As the shared check, and the window exactly W wide: a ``[B, D, 1]`` x, a state

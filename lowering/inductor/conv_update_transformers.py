@@ -72,4 +72,4 @@ class ConvUpdateTransformersPass(ConvFormulationPass):
             example += [torch.empty(8, dtype=dtype)] if bias else []
             words = f"{self.formulation} ({'bias, ' if bias else ''}{activation})"
             yield Replacement(words, self.search(bias, activation), self.replace(bias, activation),
-                              example, NEEDS)  # fmt: skip
+                              example, NEEDS | self.write_back_ops())  # fmt: skip
