@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._inductor.pattern_matcher import fwd_only, select_decomp_table
+from torch._inductor.pattern_matcher import fwd_only
 
 aten = torch.ops.aten
 
@@ -269,15 +269,12 @@ def canonicalize(graph: torch.fx.Graph) -> int:
 
 
 def canonical_fwd_only(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    *,
-    get_decomp_fn: Callable[..., Any] = select_decomp_table,
-    **kwargs: Any,
+    fn: Callable[..., Any], args: Sequence[Any], **kwargs: Any
 ) -> torch.fx.GraphModule:
-    """``fwd_only`` (the inference trace ``register_replacement`` matches with), then
-    :func:`canonicalize`: the trace function of every kda pattern."""
-    gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn, **kwargs)
+    """``fwd_only`` (the inference trace ``register_replacement`` matches with; ``kwargs``
+    as the installed torch passes them), then :func:`canonicalize`: the trace function of
+    every kda pattern."""
+    gm = fwd_only(fn, args, **kwargs)
     if canonicalize(gm.graph):
         gm.graph.eliminate_dead_code()
         gm.recompile()

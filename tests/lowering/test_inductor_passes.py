@@ -322,6 +322,16 @@ def reciprocal_sqrt_square_silu(x, gate, weight, eps):
     return (out * F.silu(gate.float())).to(x.dtype)
 
 
+def reciprocal_in_place_gate(x, gate, weight, eps):
+    """Every input upcast first, ``x * rstd * weight`` left to right, the gate applied
+    in place (FLA's ``rms_norm_ref`` statement order)."""
+    wf, xf, gf = weight.float(), x.float(), gate.float()
+    rstd = 1 / torch.sqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    out = xf * rstd * wf
+    out *= F.silu(gf)
+    return out.to(x.dtype)
+
+
 def divide_x_times_x_sigmoid_times_gate(x, gate, weight, eps):
     """x / sqrt, the mean of x * x over a positive dim, SiLU by hand as sigmoid(g) * g."""
     xf = x.float()
@@ -355,6 +365,7 @@ def variance_epsilon_module(x, gate, weight, eps):
 NORM_FORMS = {
     "rsqrt_pow_sigmoid": (rsqrt_pow_sigmoid, "sigmoid"),
     "reciprocal_sqrt_square_silu": (reciprocal_sqrt_square_silu, "silu"),
+    "reciprocal_in_place_gate": (reciprocal_in_place_gate, "silu"),
     "divide_x_times_x_sigmoid_times_gate": (divide_x_times_x_sigmoid_times_gate, "silu"),
     "variance_epsilon_module": (variance_epsilon_module, "silu"),
 }
