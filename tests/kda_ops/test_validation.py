@@ -95,6 +95,13 @@ def test_host_cu_seqlens_values(function, offsets, message):
         call(function, one, cu_seqlens=torch.tensor(offsets))
 
 
+@pytest.mark.parametrize("function", DELTA_RULE_FUNCTIONS)
+def test_cu_seqlens_must_be_on_the_inputs_device(function):
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="`q` is on cpu but `cu_seqlens` is on meta"):
+        call(function, one, cu_seqlens=torch.tensor([0, 3, 6], device="meta"))
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_valid_cu_seqlens_pass_including_an_empty_sequence(dtype):
     one = delta_rule_inputs(length=6, dtype=torch.float32)
