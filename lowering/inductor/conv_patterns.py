@@ -13,7 +13,7 @@ A spelling (:class:`ConvSpelling`) is a choice on each axis where models differ:
 - the weighted sum: ``(window * weight).sum(-1)`` (any dim spelling, either operand order,
   ``torch.sum``), the same with ``keepdim=True`` (y ``[B, D, 1]``), ``einsum("bdw,dw->bd")``,
   or ``F.conv1d`` over the window with ``groups=D`` (weight ``[D, W]`` unsqueezed, or the
-  ``[D, 1, W]`` of ``nn.Conv1d``; its bias inside the conv);
+  ``[D, 1, W]`` of ``nn.Conv1d``; its bias inside the conv; y ``[B, D, 1]`` or squeezed);
 - the precision: in x's dtype, or upcast (``window.float() * weight.float()``, y cast back);
 - bias or none, SiLU or no activation.
 
@@ -201,9 +201,10 @@ class ConvSpelling:
 
 SHIFTS = ("tail", "cat", "roll")
 COLUMNS = ("unsqueeze", "column")
-REDUCTIONS = ("sum", "sum_keepdim", "einsum", "conv1d", "conv1d_module")
+REDUCTIONS = ("sum", "sum_keepdim", "einsum", "conv1d", "conv1d_squeezed", "conv1d_module")
 REDUCTION_OPS = {"sum": aten.sum.dim_IntList, "sum_keepdim": aten.sum.dim_IntList,
                  "einsum": aten.bmm.default, "conv1d": aten.convolution.default,
+                 "conv1d_squeezed": aten.convolution.default,
                  "conv1d_module": aten.convolution.default}  # fmt: skip
 
 
@@ -232,9 +233,10 @@ def _shifted(spelling: ConvSpelling, x: Tensor, conv_state: Tensor) -> tuple[Ten
 def _weighted_sum(
     spelling: ConvSpelling, window: Tensor, weight: Tensor, bias: Optional[Tensor]
 ) -> Tensor:
-    if spelling.reduce in ("conv1d", "conv1d_module"):
-        kernel = weight.unsqueeze(1) if spelling.reduce == "conv1d" else weight
-        return F.conv1d(window, kernel, bias, groups=window.shape[1])
+    if spelling.reduce.startswith("conv1d"):
+        kernel = weight if spelling.reduce == "conv1d_module" else weight.unsqueeze(1)
+        y = F.conv1d(window, kernel, bias, groups=window.shape[1])
+        return y.squeeze(-1) if spelling.reduce == "conv1d_squeezed" else y
     if spelling.reduce == "einsum":
         y = torch.einsum("bdw,dw->bd", window, weight)
     else:
