@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from kda_ops import reference
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
@@ -172,9 +173,16 @@ def chunk_size(
         )
 
 
-def host_seqlens(check: ArgumentChecker, cu_seqlens_cpu: object, cu_seqlens: object) -> None:
+def host_seqlens(
+    check: ArgumentChecker,
+    cu_seqlens_cpu: object,
+    cu_seqlens: object,
+    length: Optional[int] = None,
+) -> None:
     """FLA's ``cu_seqlens_cpu`` (a host copy of ``cu_seqlens``, to spare a sync): checked
-    for shape and kind; the kernels need no host copy."""
+    for shape and kind, and its offsets (start at 0, non-decreasing, end at ``length``,
+    the packed T, where given) at no sync, since they are on the host already; the
+    kernels need no host copy."""
     if cu_seqlens_cpu is None:
         return
     if cu_seqlens is None:
@@ -188,6 +196,10 @@ def host_seqlens(check: ArgumentChecker, cu_seqlens_cpu: object, cu_seqlens: obj
             f"`cu_seqlens_cpu` must have the shape of `cu_seqlens` ({tuple(cu_seqlens.shape)}), "
             f"got {tuple(host.shape)}",
         )
+    if host.shape[0] < 2:
+        check.fail(ValueError, "`cu_seqlens_cpu` must hold at least 2 offsets [0, ..., T]")
+    if not torch.compiler.is_compiling() and not is_fake(host):
+        check.offsets("cu_seqlens_cpu", host, length)
 
 
 def no_context_parallel(check: ArgumentChecker, cp_context: object) -> None:
@@ -253,13 +265,17 @@ def delta_rule_arguments(
     initial_state: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     safe_gate: bool = False,
+    global_offsets: bool = False,
 ) -> tuple[DeltaRuleInputs, DeltaRuleOptions]:
     """Checks ``chunk_kda``-style arguments in their canonical forms (errors name
     ``function``) and resolves them into what the delta-rule ops take: the gate tensors
-    only with ``use_gate_in_kernel`` (:func:`gate_arguments`), the default scale."""
+    only with ``use_gate_in_kernel`` (:func:`gate_arguments`), the default scale.
+    ``global_offsets``: ``cu_seqlens`` spans more tokens than q holds (context
+    parallelism), so its end is not checked against q's length."""
     check_delta_rule(
         function, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        global_offsets=global_offsets,
     )  # fmt: skip
     A_log, dt_bias, lower_bound = gate_arguments(
         function, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate

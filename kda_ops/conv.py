@@ -212,7 +212,7 @@ def causal_conv1d(
     check, act = _check_conv("causal_conv1d", x, weight, bias, activation)
     n_seqs = x.shape[0]
     if cu_seqlens is not None:
-        n_seqs = check.cu_seqlens(cu_seqlens, x.shape[0]).shape[0] - 1
+        n_seqs = check.cu_seqlens(cu_seqlens, x.shape[0], x.shape[1]).shape[0] - 1
     if initial_state is not None:
         state = check.tensor("initial_state", initial_state, dims=3)
         check.shape("initial_state", state, (n_seqs, *_state_layout(x, weight)), "(N, D, W - 1)")

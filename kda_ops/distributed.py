@@ -218,7 +218,7 @@ def chunk_kda_cp(
         function, q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, initial_state=start, cu_seqlens=cu_seqlens,
+        lower_bound=lower_bound, initial_state=start, cu_seqlens=cu_seqlens, global_offsets=True,
     )  # fmt: skip
     if cu_seqlens is None:
         maps = segment_maps(inputs, options, start=start)

@@ -2,20 +2,50 @@
 
 Every failure is a ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
 device or flag combination) whose message names the function, the argument and what was
-expected. Checks read shapes, dtypes and devices only, never tensor values, so they run
-unchanged under ``torch.compile`` and ``torch.export``.
+expected. Checks read shapes, dtypes and devices, and tensor values only where reading
+them costs no device sync: the offsets in ``cu_seqlens`` are checked when they are on the
+host (a CPU ``cu_seqlens``, or FLA's ``cu_seqlens_cpu``), and on the device only in the
+debug mode :data:`CHECK_SEQLENS_ENV`. Under ``torch.compile`` / ``torch.export`` (fake
+tensors) no value is read, so the checks trace unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
+
+CHECK_SEQLENS_ENV = "KDA_CHECK_CU_SEQLENS"
+"""Set to ``1`` to check the offsets of a device ``cu_seqlens`` too (start at 0,
+non-decreasing, end at T): a device-to-host copy and a sync per call, for debugging.
+Off by default: then only offsets already on the host are checked."""
+
+
+def check_device_seqlens() -> bool:
+    """Whether the :data:`CHECK_SEQLENS_ENV` debug mode is on."""
+    return os.environ.get(CHECK_SEQLENS_ENV, "0") not in ("", "0")
+
+
+def _values_on_host(offsets: Tensor) -> bool:
+    """Whether ``offsets`` holds real values readable without a device sync."""
+    if torch.compiler.is_compiling() or is_fake(offsets):
+        return False
+    return offsets.device.type == "cpu"
+
+
+def _values_on_device(offsets: Tensor) -> bool:
+    """Whether ``offsets`` holds real values on an accelerator (readable with a sync)."""
+    if torch.compiler.is_compiling() or is_fake(offsets):
+        return False
+    return offsets.device.type not in ("cpu", "meta")
 
 
 class ArgumentChecker:
@@ -92,7 +122,11 @@ class ArgumentChecker:
         self.shape(name, state, expected, "(N, HV, K, V)")
         return state
 
-    def cu_seqlens(self, cu_seqlens: object, batch: int) -> Tensor:
+    def cu_seqlens(self, cu_seqlens: object, batch: int, length: int | None = None) -> Tensor:
+        """int32 / int64 offsets ``[N + 1]`` of packed sequences (``B == 1``). With
+        ``length`` (T), the offsets themselves too (:meth:`offsets`) where that costs no
+        sync: on the host always, on the device in the debug mode. Without it the caller
+        checks them (context parallelism's global offsets, against every rank's T)."""
         seqlens = self.tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=INDEX_DTYPES)
         if batch != 1:
             self.fail(
@@ -102,7 +136,32 @@ class ArgumentChecker:
             )
         if seqlens.shape[0] < 2:
             self.fail(ValueError, "`cu_seqlens` must hold at least 2 offsets [0, ..., T]")
+        if length is None:
+            return seqlens
+        if _values_on_host(seqlens):
+            self.offsets("cu_seqlens", seqlens, length)
+        elif check_device_seqlens() and _values_on_device(seqlens):
+            self.offsets("cu_seqlens", seqlens.cpu(), length)  # the debug mode's sync
         return seqlens
+
+    def offsets(self, name: str, offsets: Tensor, length: int | None) -> None:
+        """Host offsets ``[0, ..., T]``: first 0, non-decreasing (an empty sequence is
+        allowed), last ``length`` (T, the packed length) where given."""
+        values = offsets.tolist()
+        if values[0] != 0:
+            self.fail(ValueError, f"`{name}` must start at 0, got {values[0]}")
+        for i, (start, stop) in enumerate(pairwise(values)):
+            if stop < start:
+                self.fail(
+                    ValueError,
+                    f"`{name}` must be non-decreasing, got {name}[{i}] = {start} > "
+                    f"{name}[{i + 1}] = {stop}",
+                )
+        if length is not None and values[-1] != length:
+            self.fail(
+                ValueError,
+                f"`{name}` must end at the packed length T = {length}, got {values[-1]}",
+            )
 
     def state_indices(self, state_indices: object, n_seqs: int) -> Tensor:
         indices = self.tensor("state_indices", state_indices, dims=1, dtypes=INDEX_DTYPES)
@@ -145,9 +204,12 @@ def check_delta_rule(
     use_gate_in_kernel: bool,
     cu_seqlens: object,
     initial_state: object = None,
+    global_offsets: bool = False,
 ) -> int:
     """Checks the inputs shared by chunk and recurrent KDA / GDN; returns N, the number
-    of sequences (B, or ``len(cu_seqlens) - 1``)."""
+    of sequences (B, or ``len(cu_seqlens) - 1``). ``cu_seqlens``'s offsets end at T, q's
+    length, unless ``global_offsets`` (context parallelism: the offsets of the whole packed
+    batch, of which q holds one rank's share, checked by the caller against all ranks)."""
     check = ArgumentChecker(function)
     q = check.tensor("q", q, dims=4)
     k = check.tensor("k", k, dims=4)
@@ -187,7 +249,8 @@ def check_delta_rule(
             check.fail(ValueError, f"`lower_bound` must be negative, got {lower_bound}")
     n_seqs = batch
     if cu_seqlens is not None:
-        n_seqs = check.cu_seqlens(cu_seqlens, batch).shape[0] - 1
+        end = None if global_offsets else length
+        n_seqs = check.cu_seqlens(cu_seqlens, batch, end).shape[0] - 1
     if initial_state is not None:
         check.state("initial_state", initial_state, (n_seqs, value_heads, head_k, head_v), q)
     check.same_device(

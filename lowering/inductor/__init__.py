@@ -4,27 +4,27 @@
   entry point), or ``torch.compile(model, backend=kda_backend)``.
 - Stock inductor: ``torch.compile(model, options=inductor_options())``.
 
-Passes (one module per formulation; ``pass_manager.default_passes`` says why each is there):
-gated RMSNorm -> ``kda.gated_rms_norm`` as kda's example writes it (``gated_rms_norm``),
-as transformers' Qwen3-Next / Kimi Linear / GLM5-next modules do
-(``gated_rms_norm_transformers``) and as FLA's reference does (``gated_rms_norm_fla``);
-the conv decode step -> in-place ``kda.causal_conv1d_update_`` on a ``W - 1`` state
-(``conv_update``), a whole-window state (``conv_update_window``), transformers'
-``torch_causal_conv1d_update`` (``conv_update_transformers``) and Mamba's roll-and-assign
-(``conv_update_roll``); written-back ``kda.recurrent`` -> in-place ``kda.recurrent_``
-(``recurrent_state``). Set ``KDA_LOG_PASSES=1`` to log the match counts of every compiled
+Each fusion's patterns come from one description parametrised by spelling
+(``norm_patterns``, ``conv_patterns``), matched on the graph after exact canonical rewrites
+(``canonical``) that make more spellings one graph. Passes (``pass_manager.default_passes``
+says why each is there): the gated RMSNorm, every spelling (kda's example, transformers'
+Qwen3-Next / Kimi Linear / GLM5-next modules, FLA's reference, hand-written forms) ->
+``kda.gated_rms_norm`` (``gated_rms_norm``); the conv decode step, every spelling ->
+in-place ``kda.causal_conv1d_update_`` on a ``W - 1`` state (``conv_update``), a
+whole-window state (``conv_update_window``), Mamba's roll-and-assign (``conv_update_roll``),
+and transformers' multi-token ``torch_causal_conv1d_update`` (``conv_update_transformers``);
+written-back ``kda.recurrent`` -> in-place ``kda.recurrent_`` (``recurrent_state``). Set
+``KDA_LOG_PASSES=1`` to log the match counts of every compiled
 graph and, for each match, the formulation and the model source line.
 """
 
 from lowering.inductor.backend import PASS_MANAGER, inductor_options, kda_backend
-from lowering.inductor.base import KDAInductorPass, PatternPass
+from lowering.inductor.base import KDAInductorPass, PatternPass, ReplacementPass
 from lowering.inductor.conv_update import ConvUpdatePass
 from lowering.inductor.conv_update_roll import ConvUpdateRollPass
 from lowering.inductor.conv_update_transformers import ConvUpdateTransformersPass
 from lowering.inductor.conv_update_window import ConvUpdateWindowPass
 from lowering.inductor.gated_rms_norm import GatedRMSNormPass
-from lowering.inductor.gated_rms_norm_fla import GatedRMSNormFLAPass
-from lowering.inductor.gated_rms_norm_transformers import GatedRMSNormTransformersPass
 from lowering.inductor.pass_manager import KDAPassManager, default_passes
 from lowering.inductor.recurrent_state import RecurrentStatePass
 
@@ -34,13 +34,12 @@ __all__ = [
     "ConvUpdateRollPass",
     "ConvUpdateTransformersPass",
     "ConvUpdateWindowPass",
-    "GatedRMSNormFLAPass",
     "GatedRMSNormPass",
-    "GatedRMSNormTransformersPass",
     "KDAInductorPass",
     "KDAPassManager",
     "PatternPass",
     "RecurrentStatePass",
+    "ReplacementPass",
     "default_passes",
     "inductor_options",
     "kda_backend",

@@ -8,10 +8,13 @@ import inspect
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
+
+from lowering.inductor import canonical
 
 log = logging.getLogger("lowering.inductor")
 
@@ -76,15 +79,28 @@ def _location(nodes: list[torch.fx.Node]) -> str:
 
 class PatternPass(KDAInductorPass):
     """A pass made of ``register_replacement`` patterns, registered on first use (tracing the
-    patterns takes a moment, so importing the package stays cheap)."""
+    patterns takes a moment, so importing the package stays cheap). Patterns are traced
+    with :func:`~lowering.inductor.canonical.canonical_fwd_only` and matched on the graph
+    after :func:`~lowering.inductor.canonical.canonicalize`, so each matches every
+    spelling that canonicalizes to it."""
 
     def __init__(self) -> None:
         super().__init__()
         self._patterns: PatternMatcherPass | None = None
+        self._registered = False
 
     @abstractmethod
     def register(self, patterns: PatternMatcherPass) -> None:
         """Add this pass's replacements to ``patterns``."""
+
+    def register_for(self, patterns: PatternMatcherPass, targets: set[object]) -> None:
+        """Add the replacements that could match a graph calling ``targets`` (before each
+        graph; each replacement is added once). By default all of :meth:`register`, on
+        the first graph; passes with many patterns add only those a graph can match, so
+        a model pays the tracing for its own spellings only."""
+        if not self._registered:
+            self.register(patterns)
+            self._registered = True
 
     def logged(self, formulation: str, check: Callable[[Match], bool]) -> Callable[[Match], bool]:
         """``check`` as a ``register_replacement`` extra_check that logs each accepted match
@@ -98,8 +114,67 @@ class PatternPass(KDAInductorPass):
 
         return extra_check
 
+    def uuid(self) -> str:
+        """Hash of the pass's file, the canonical form and the base."""
+        return source_hash(type(self), canonical, KDAInductorPass)
+
     def apply(self, graph: torch.fx.Graph) -> int:
         if self._patterns is None:
             self._patterns = PatternMatcherPass(pass_name=f"kda_{self.name}")
-            self.register(self._patterns)
+        canonical.canonicalize(graph)
+        targets = {node.target for node in graph.nodes if node.op == "call_function"}
+        self.register_for(self._patterns, targets)
         return self._patterns.apply(graph)
+
+
+class Replacement(NamedTuple):
+    """One ``register_replacement`` of a pattern pass: the log's words, the search and
+    replacement functions, example inputs, and the call targets a graph must hold for the
+    pattern to match (checked before the pattern is traced)."""
+
+    words: str
+    search: Callable[..., Any]
+    replace: Callable[..., Any]
+    example: list[Any]
+    needs: frozenset[object]
+
+
+class ReplacementPass(PatternPass):
+    """A pattern pass made of :class:`Replacement` s (from :meth:`replacements`), each
+    traced with the canonical trace and registered the first time a graph holds what it
+    needs. Subclasses give :meth:`replacements` and :meth:`check` (the extra check)."""
+
+    scalar_workaround: dict[str, float] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[Replacement] | None = None
+
+    def replacements(self) -> Iterator[Replacement]:
+        raise NotImplementedError
+
+    def check(self, match: Match) -> bool:
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Hash of the pass's file, the canonical form and the base."""
+        return source_hash(type(self), canonical, KDAInductorPass)
+
+    def register(self, patterns: PatternMatcherPass) -> None:
+        self.register_for(patterns, None)
+
+    def register_for(self, patterns: PatternMatcherPass, targets: set[object] | None) -> None:
+        """Every pending replacement whose ``needs`` are among ``targets`` (all: None)."""
+        if self._pending is None:
+            self._pending = list(self.replacements())
+        pending = []
+        for item in self._pending:
+            if targets is not None and not item.needs <= targets:
+                pending.append(item)
+                continue
+            register_replacement(
+                item.search, item.replace, item.example, canonical.canonical_fwd_only,
+                patterns, extra_check=self.logged(item.words, self.check),
+                scalar_workaround=self.scalar_workaround, skip_duplicates=True,
+            )  # fmt: skip
+        self._pending = pending

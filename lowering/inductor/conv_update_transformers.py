@@ -17,17 +17,24 @@ the concatenation's tail back into the state, and the concatenation itself, are 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lowering.inductor.base import Replacement
 from lowering.inductor.conv_patterns import (
     ACTIVATIONS,
+    DTYPES,
     ConvFormulationPass,
     SearchFn,
     fused_update,
     with_signature,
 )
+
+NEEDS = frozenset({torch.ops.aten.cat.default, torch.ops.aten.convolution.default})
 
 
 class ConvUpdateTransformersPass(ConvFormulationPass):
@@ -58,6 +65,11 @@ class ConvUpdateTransformersPass(ConvFormulationPass):
 
         return with_signature(replace, bias)
 
-    def examples(self, dtype: torch.dtype) -> list[Tensor]:
-        return [torch.empty(2, 8, 1, dtype=dtype), torch.empty(2, 8, 4, dtype=dtype),
-                torch.empty(8, 4, dtype=dtype)]  # fmt: skip
+    def replacements(self) -> Iterator[Replacement]:
+        for dtype, bias, activation in itertools.product(DTYPES, (False, True), ACTIVATIONS):
+            example = [torch.empty(2, 8, 1, dtype=dtype), torch.empty(2, 8, 4, dtype=dtype),
+                       torch.empty(8, 4, dtype=dtype)]  # fmt: skip
+            example += [torch.empty(8, dtype=dtype)] if bias else []
+            words = f"{self.formulation} ({'bias, ' if bias else ''}{activation})"
+            yield Replacement(words, self.search(bias, activation), self.replace(bias, activation),
+                              example, NEEDS | self.write_back_ops())  # fmt: skip

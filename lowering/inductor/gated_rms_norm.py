@@ -1,57 +1,46 @@
-"""Gated RMSNorm written as plain torch ops -> ``kda::gated_rms_norm``.
+"""The gated RMSNorm, every spelling -> ``kda::gated_rms_norm``.
 
 Matches ``(x * rsqrt(mean(x², -1, keepdim) + eps) * weight * act(gate)).to(x.dtype)``
-computed in float32 (x, gate and weight upcast with ``.float()``), with act = sigmoid
-(Kimi) or silu (Qwen3-Next), for float32 / bfloat16 / float16 inputs and any eps.
+computed in float32, in each spelling of
+:func:`~lowering.inductor.norm_patterns.gated_rms_norm`: kda's example
+(``examples/hybrid_model.py``), transformers' ``Qwen3NextRMSNormGated``,
+``KimiLinearRMSNormGated`` and ``Glm5NextTextRMSNormGated``, FLA's (and Mamba2's)
+``rms_norm_ref`` (norm before gate, no bias, one group), and the equivalent hand-written
+forms (``1 / sqrt`` or ``rsqrt``, ``pow(2)`` or ``x * x``, ``gate * sigmoid(gate)`` or
+``F.silu(gate)``); act = sigmoid (Kimi) or silu (Qwen3-Next); x and gate ``[..., D]``
+float32 / bfloat16 / float16, weight ``[D]`` in x's dtype or float32, any eps.
+
+The fused op computes in float32 and rounds once, so for 16-bit x it differs from
+Qwen3-Next's (which rounds the normed x to x's dtype before the weight) by that rounding
+(within the dtype's precision).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
-from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
+from torch._inductor.pattern_matcher import Match
 
-import kda_ops  # noqa: F401  (registers torch.ops.kda)
-from lowering.inductor.base import PatternPass
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"sigmoid": torch.sigmoid, "silu": F.silu}
-EXAMPLE_EPS = 1e-6  # traced in place of eps, then matched as a wildcard (scalar_workaround)
+from lowering.inductor import canonical, norm_patterns
+from lowering.inductor.base import KDAInductorPass, Replacement, ReplacementPass, source_hash
+from lowering.inductor.norm_patterns import EXAMPLE_EPS, norm_args_fit, norm_replacements
 
 
-def _search(activation: str) -> Callable[..., Tensor]:
-    act = ACTIVATIONS[activation]
-
-    def search(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (normed * weight.float() * act(gate.float())).to(x.dtype)
-
-    return search
-
-
-def _replace(activation: str) -> Callable[..., Tensor]:
-    def replace(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return torch.ops.kda.gated_rms_norm.default(x, gate, weight, eps, activation)
-
-    return replace
-
-
-class GatedRMSNormPass(PatternPass):
-    """Replaces every plain-op gated RMSNorm (see module doc) with the fused op."""
+class GatedRMSNormPass(ReplacementPass):
+    """Replaces every spelling of the gated RMSNorm (see module doc) with the fused op."""
 
     name = "gated_rms_norm"
 
-    def register(self, patterns: PatternMatcherPass) -> None:
-        for dtype in DTYPES:
-            x, gate = torch.empty(2, 8, dtype=dtype), torch.empty(2, 8, dtype=dtype)
-            weight = torch.empty(8, dtype=dtype)
-            for activation in ACTIVATIONS:
-                register_replacement(
-                    _search(activation), _replace(activation), [x, gate, weight, EXAMPLE_EPS],
-                    fwd_only, patterns, scalar_workaround={"eps": EXAMPLE_EPS},
-                    skip_duplicates=True,
-                )  # fmt: skip
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalar_workaround = {"eps": EXAMPLE_EPS}
+
+    def replacements(self) -> Iterator[Replacement]:
+        return norm_replacements()
+
+    def check(self, match: Match) -> bool:
+        return norm_args_fit(match)
+
+    def uuid(self) -> str:
+        """Hash of this file, the description, the canonical form and the base."""
+        return source_hash(type(self), norm_patterns, canonical, KDAInductorPass)

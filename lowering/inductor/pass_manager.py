@@ -15,8 +15,6 @@ from lowering.inductor.conv_update_roll import ConvUpdateRollPass
 from lowering.inductor.conv_update_transformers import ConvUpdateTransformersPass
 from lowering.inductor.conv_update_window import ConvUpdateWindowPass
 from lowering.inductor.gated_rms_norm import GatedRMSNormPass
-from lowering.inductor.gated_rms_norm_fla import GatedRMSNormFLAPass
-from lowering.inductor.gated_rms_norm_transformers import GatedRMSNormTransformersPass
 from lowering.inductor.recurrent_state import RecurrentStatePass
 from lowering.inductor.triton_kernels import TritonKernelsPass
 
@@ -25,13 +23,12 @@ def default_passes() -> list[KDAInductorPass]:
     """The kda fusions, in the order they run."""
     return [
         RecurrentStatePass(),  # a written-back kda.recurrent -> kda.recurrent_ on its state
-        ConvUpdatePass(),  # kda's own W - 1 state conv step (examples/hybrid_model.py)
+        # The conv decode step, every spelling (conv_patterns.window_update), per state:
+        ConvUpdatePass(),  # a W - 1 state, window cat(state, x) (examples/hybrid_model.py)
         ConvUpdateWindowPass(),  # a W-column state shifted by cat(state[..., 1:], x)
         ConvUpdateTransformersPass(),  # transformers' torch_causal_conv1d_update (F.conv1d)
         ConvUpdateRollPass(),  # Mamba / causal-conv1d's roll, assign, weighted sum
-        GatedRMSNormPass(),  # kda's own fp32 gated RMSNorm (examples/hybrid_model.py)
-        GatedRMSNormTransformersPass(),  # Qwen3-Next's, Kimi Linear's, GLM5-next's modules
-        GatedRMSNormFLAPass(),  # FLA's rms_norm_ref: 1 / sqrt, x * rstd * weight
+        GatedRMSNormPass(),  # the gated RMSNorm, every spelling (norm_patterns)
         TritonKernelsPass(),  # last: the fused ops' CUDA kernels as Inductor kernel nodes
     ]
 

@@ -4,6 +4,13 @@ import pytest
 import torch
 
 import kda_ops
+from kda_ops.arguments import host_seqlens
+from kda_ops.validation import (
+    CHECK_SEQLENS_ENV,
+    ArgumentChecker,
+    check_delta_rule,
+    check_device_seqlens,
+)
 from tests.kda_ops.inputs import delta_rule_inputs
 
 
@@ -69,6 +76,118 @@ def test_cu_seqlens_rules(function, x):
         call(function, one, cu_seqlens=torch.tensor([0.0, 6.0]))
     with pytest.raises(ValueError, match="`cu_seqlens` must be 1-D"):
         call(function, one, cu_seqlens=torch.tensor([[0, 6]]))
+
+
+BAD_OFFSETS = [
+    ([1, 3, 6], "`cu_seqlens` must start at 0, got 1"),
+    ([0, 4, 2, 6], r"`cu_seqlens` must be non-decreasing, got cu_seqlens\[1\] = 4 > "),
+    ([0, 3, 5], "`cu_seqlens` must end at the packed length T = 6, got 5"),
+    ([0, 3, 7], "`cu_seqlens` must end at the packed length T = 6, got 7"),
+]
+
+
+@pytest.mark.parametrize("function", DELTA_RULE_FUNCTIONS)
+@pytest.mark.parametrize(("offsets", "message"), BAD_OFFSETS)
+def test_host_cu_seqlens_values(function, offsets, message):
+    """A CPU cu_seqlens is on the host: its offsets are checked with no sync to pay."""
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        call(function, one, cu_seqlens=torch.tensor(offsets))
+
+
+@pytest.mark.parametrize("function", DELTA_RULE_FUNCTIONS)
+def test_cu_seqlens_must_be_on_the_inputs_device(function):
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="`q` is on cpu but `cu_seqlens` is on meta"):
+        call(function, one, cu_seqlens=torch.tensor([0, 3, 6], device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_valid_cu_seqlens_pass_including_an_empty_sequence(dtype):
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    for function in DELTA_RULE_FUNCTIONS:
+        o, _ = call(function, one, cu_seqlens=torch.tensor([0, 2, 2, 6], dtype=dtype))
+        assert o.shape == one.v.shape
+
+
+@pytest.mark.parametrize(("offsets", "message"), BAD_OFFSETS[:2])
+def test_cu_seqlens_cpu_values(offsets, message):
+    """FLA's host copy: checked under its own name."""
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    host = torch.tensor(offsets)
+    with pytest.raises(ValueError, match=message.replace("cu_seqlens", "cu_seqlens_cpu")):
+        valid = torch.linspace(0, 6, len(offsets)).long()
+        call(kda_ops.chunk_kda, one, cu_seqlens=valid, cu_seqlens_cpu=host)
+
+
+def test_cu_seqlens_cpu_end_is_checked_against_the_length():
+    check = ArgumentChecker("f")
+    host = torch.tensor([0, 3, 5])
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must end at the packed length T = 6"):
+        host_seqlens(check, host, host, length=6)
+    host_seqlens(check, host, host, length=5)
+
+
+def test_cu_seqlens_cpu_kind_errors():
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    device = torch.tensor([0, 3, 6])
+    with pytest.raises(TypeError, match="`cu_seqlens_cpu` must have dtype in"):
+        call(kda_ops.chunk_kda, one, cu_seqlens=device, cu_seqlens_cpu=device.float())
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must be 1-D"):
+        call(kda_ops.chunk_kda, one, cu_seqlens=device, cu_seqlens_cpu=device[None])
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must be on the CPU"):
+        call(kda_ops.chunk_kda, one, cu_seqlens=device, cu_seqlens_cpu=device.to("meta"))
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` needs `cu_seqlens`"):
+        call(kda_ops.chunk_kda, one, cu_seqlens_cpu=device)
+
+
+def test_device_cu_seqlens_values_are_read_only_in_the_debug_mode(monkeypatch):
+    """Off by default a device cu_seqlens is never copied to the host (no sync); in the
+    debug mode it is, and checked."""
+    copied = []
+
+    class OnDevice(torch.Tensor):
+        """Offsets that say they are on a GPU and record their host copies (CI has none)."""
+
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        def cpu(self):
+            copied.append(True)
+            return self.as_subclass(torch.Tensor)
+
+    check = ArgumentChecker("f")
+    bad = torch.tensor([1, 3, 6]).as_subclass(OnDevice)
+    monkeypatch.delenv(CHECK_SEQLENS_ENV, raising=False)
+    assert not check_device_seqlens()
+    check.cu_seqlens(bad, batch=1, length=6)
+    assert copied == []
+    monkeypatch.setenv(CHECK_SEQLENS_ENV, "1")
+    assert check_device_seqlens()
+    with pytest.raises(ValueError, match="`cu_seqlens` must start at 0, got 1"):
+        check.cu_seqlens(bad, batch=1, length=6)
+    assert copied == [True]
+
+
+def test_context_parallel_offsets_are_left_to_the_caller():
+    """chunk_kda_cp's global offsets span every rank's tokens: it checks them against
+    the ranks' total itself, so the shared checks read no value of them."""
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    args = (one.q, one.k, one.v, one.g, one.beta)
+    gate = dict(A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=False)
+    offsets = torch.tensor([0, 4, 12])
+    assert check_delta_rule("f", *args, cu_seqlens=offsets, global_offsets=True, **gate) == 2
+    with pytest.raises(ValueError, match="`cu_seqlens` must end at the packed length T = 6"):
+        check_delta_rule("f", *args, cu_seqlens=offsets, **gate)
+
+
+def test_conv_cu_seqlens_values():
+    x, weight = torch.randn(1, 5, 6), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="`cu_seqlens` must end at the packed length T = 5"):
+        kda_ops.causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="`cu_seqlens` must be non-decreasing"):
+        kda_ops.causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 3, 2, 5]))
 
 
 @pytest.mark.parametrize("function", DELTA_RULE_FUNCTIONS)

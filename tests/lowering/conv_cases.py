@@ -17,22 +17,31 @@ BATCH, CHANNELS, WIDTH = 3, 16, 4
 Update = Callable[[Tensor, Tensor, Tensor, "Tensor | None", "str | None"], Tensor]
 
 
-def inputs(dtype: torch.dtype, x_shape: tuple[int, ...]) -> list[tuple]:
-    """Per variant: x, a W-column state, weight, bias or None, activation."""
+def inputs(
+    dtype: torch.dtype,
+    x_shape: tuple[int, ...],
+    state_width: int = WIDTH,
+    weight_shape: tuple[int, ...] = (CHANNELS, WIDTH),
+) -> list[tuple]:
+    """Per variant: x, a state (W columns unless ``state_width``), weight, bias or None,
+    activation."""
     cases = []
     for with_bias, activation in VARIANTS:
         x = torch.randn(*x_shape, dtype=dtype)
-        state = torch.randn(BATCH, CHANNELS, WIDTH, dtype=dtype)
-        weight = torch.randn(CHANNELS, WIDTH, dtype=dtype)
+        state = torch.randn(BATCH, CHANNELS, state_width, dtype=dtype)
+        weight = torch.randn(*weight_shape, dtype=dtype)
         bias = torch.randn(CHANNELS, dtype=dtype) if with_bias else None
         cases.append((x, state, weight, bias, activation))
     return cases
 
 
-def check_formulation(update: Update, pass_name: str, dtype: torch.dtype, x_shape) -> None:
+def check_formulation(
+    update: Update, pass_name: str, dtype: torch.dtype, x_shape, **shapes: object
+) -> None:
     """Fused at all four sites, in place on the model's own states (the op's state argument
-    is a graph input, no copy), outputs and states as eager's."""
-    cases = inputs(dtype, x_shape)
+    is a graph input, no copy), outputs and states as eager's. ``shapes``: the state width
+    and weight shape of :func:`inputs`."""
+    cases = inputs(dtype, x_shape, **shapes)
 
     def step(*flat):
         return [update(*flat[i : i + 5]) for i in range(0, len(flat), 5)]

@@ -51,7 +51,8 @@ def test_log_names_the_formulation_and_the_model_line(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="lowering.inductor"):
         compile_kda(window_update, *args)
     assert (
-        "kda pass conv_update_window: matched whole-window conv update (bias, silu) at "
+        "kda pass conv_update_window: matched whole-window conv update (cat shift, x [B, D] "
+        "unsqueezed, sum, bias, silu) at "
         "test_conv_update_window.py:" in caplog.text
     )
     assert "(window_update)" in caplog.text

@@ -1,4 +1,4 @@
-"""lowering/inductor/gated_rms_norm_fla.py: FLA's PyTorch reference of the gated RMSNorm
+"""lowering/inductor/gated_rms_norm.py on FLA's PyTorch reference of the gated RMSNorm
 (``fla.modules.norm.layernorm_gated.rms_norm_ref``, norm before gate)."""
 
 import pytest
@@ -26,7 +26,7 @@ def test_fla_reference_gated_norm_fuses(dtype):
 
     expected = fn(xs, gates, weights)
     out, counts, code = compile_kda(fn, xs, gates, weights)
-    assert counts == {"gated_rms_norm_fla": len(weights)}
+    assert counts == {"gated_rms_norm": len(weights)}
     assert code.count("kda.gated_rms_norm.default(") == len(weights)
     for got, want in zip(out, expected):
         assert_close(got, want, dtype)

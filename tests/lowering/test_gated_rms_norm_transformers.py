@@ -1,4 +1,4 @@
-"""lowering/inductor/gated_rms_norm_transformers.py: transformers' own gated-norm modules
+"""lowering/inductor/gated_rms_norm.py on transformers' own gated-norm modules
 (Qwen3-Next's, Kimi Linear's, GLM5-next's), each gate activation, the weight in fp32 or
 x's dtype, eps the module's attribute."""
 
@@ -48,7 +48,7 @@ def test_transformers_gated_norm_fuses_every_variant(model, dtype):
     with torch.no_grad():  # inference: a training graph saves the norm's intermediates
         expected = fn(xs, gates)
         out, counts, code = compile_kda(fn, xs, gates)
-    assert counts == {"gated_rms_norm_transformers": len(modules)}
+    assert counts == {"gated_rms_norm": len(modules)}
     assert code.count("kda.gated_rms_norm.default(") == len(modules)
     for got, want in zip(out, expected):
         assert got.dtype == dtype

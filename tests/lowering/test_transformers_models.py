@@ -76,7 +76,7 @@ def test_unchanged_model_decode_fuses_every_conv_update_and_gated_norm(name):
 
         logits, counts, _ = compile_kda(decode, ids[:, 5:], cache)
     layers = len(LINEAR_LAYERS)
-    assert counts == {"conv_update_transformers": layers, "gated_rms_norm_transformers": layers}
+    assert counts == {"conv_update_transformers": layers, "gated_rms_norm": layers}
     torch.testing.assert_close(logits, expected)
     for i in LINEAR_LAYERS:
         got, want = cache.layers[i], eager_cache.layers[i]

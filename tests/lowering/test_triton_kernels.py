@@ -283,7 +283,7 @@ def test_compiled_transformers_block_launches_the_kernels_in_place(dtype, channe
         expected = block(x, gate, u, expected_state, conv_weight)
         address = conv_state.data_ptr()
         out, counts, code = compile_kda(block, x, gate, u, conv_state, conv_weight)
-    assert counts == {"gated_rms_norm_transformers": 1, "conv_update_transformers": 1,
+    assert counts == {"gated_rms_norm": 1, "conv_update_transformers": 1,
                       "triton_kernels": 2}  # fmt: skip
     assert "torch.ops.kda" not in code  # no op call: the kernels are launched directly
     assert "gated_rms_norm_kernel" in code and "conv_step" in code
