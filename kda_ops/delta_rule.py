@@ -559,7 +559,8 @@ def chunk_kda(
     check = ArgumentChecker("chunk_kda")
     arguments.no_context_parallel(check, cp_context)
     arguments.chunk_size(check, chunk_size, return_intermediate_states is True)
-    arguments.host_seqlens(check, cu_seqlens_cpu, cu_seqlens)
+    length = q.shape[1] if isinstance(q, Tensor) and q.dim() == 4 else None
+    arguments.host_seqlens(check, cu_seqlens_cpu, cu_seqlens, length=length)
     _check_graph_mode(check, use_graph, max_num_seqs, cu_seqlens)
     v_first = arguments.state_v_first(check, state_v_first, transpose_state_layout)
     initial_state = arguments.initial_state(arguments.key_first(initial_state, v_first), q)

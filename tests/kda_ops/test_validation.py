@@ -126,6 +126,10 @@ def test_cu_seqlens_cpu_end_is_checked_against_the_length():
     with pytest.raises(ValueError, match="`cu_seqlens_cpu` must end at the packed length T = 6"):
         host_seqlens(check, host, host, length=6)
     host_seqlens(check, host, host, length=5)
+    # chunk_kda passes its T: a host copy that ends short of it is caught there too
+    one = delta_rule_inputs(length=6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must end at the packed length T = 6"):
+        call(kda_ops.chunk_kda, one, cu_seqlens=torch.tensor([0, 3, 5]), cu_seqlens_cpu=host)
 
 
 def test_cu_seqlens_cpu_kind_errors():
