@@ -31,6 +31,8 @@ TESTS_S=${TESTS_S:-300}
 BENCH_S=${BENCH_S:-300}
 FORWARD_TESTS=(
     tests/kda_ops/test_gpu_gdn.py
+    tests/kda_ops/test_plan.py
+    "tests/kda_ops/test_gpu.py::test_chunk_64_token_steps_against_float64_reference"
     "tests/kda_ops/test_gpu.py::test_chunk_against_float64_reference"
     "tests/kda_ops/test_gpu.py::test_chunk_recurrence_in_segments_against_float64_reference"
     "tests/kda_ops/test_gpu.py::test_chunk_pipelined_windows_match_one_pass"

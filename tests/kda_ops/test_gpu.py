@@ -183,6 +183,25 @@ def test_chunk_recurrence_in_segments_against_float64_reference(segments):
         assert relative_error(final, final_ref) < 5e-3, count
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_chunk_64_token_steps_against_float64_reference(lower_bound, segments):
+    """The forward in 64-token prepare chunks and recurrence steps (``chunk=64``, a
+    choice of ``forward_chunk`` for long scans), in one scan and in segments."""
+    from kda_ops.kernels.chunk.launch import launch_chunk_kda
+
+    x, kwargs = chunk_inputs(4096, 2, lower_bound)
+    state = torch.randn(1, 2, 128, 128, device="cuda")
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    args = (*(x[n] for n in names), state, None, 128**-0.5, lower_bound, True, True)
+    o_ref, final_ref = kda_ops.fused_recurrent_kda(
+        **float64(x), initial_state=state.double(), scale=128**-0.5, **kwargs
+    )
+    o, final = launch_chunk_kda(*grouped(*args), segments=segments, chunk=64)
+    assert relative_error(o, o_ref) < 5e-3
+    assert relative_error(final, final_ref) < 5e-3
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_chunk_pipelined_windows_match_one_pass(varlen):
     """The forward in time windows on two streams (what ``launch_chunk_kda`` plans at T =
