@@ -29,6 +29,26 @@ QWEN3_NEXT = dict(
 )  # fmt: skip
 
 
+QWEN3_5 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+QWEN3_5_MOE = QWEN3_5 | dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+    num_experts_per_tok=2,
+)  # fmt: skip
+OLMO_HYBRID = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
 def kimi_linear_model(**sizes: int) -> torch.nn.Module:
     """The tiny Kimi Linear (``KIMI_LINEAR``), with ``sizes`` replacing config entries."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
@@ -43,6 +63,27 @@ def qwen3_next_model(**sizes: int) -> torch.nn.Module:
     return _build(Qwen3NextForCausalLM, Qwen3NextConfig(**(QWEN3_NEXT | sizes)))
 
 
+def qwen3_5_model(**sizes: int) -> torch.nn.Module:
+    """The tiny Qwen3.5 text model (``QWEN3_5``), with ``sizes`` replacing config entries."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return _build(Qwen3_5ForCausalLM, Qwen3_5TextConfig(**(QWEN3_5 | sizes)))
+
+
+def qwen3_5_moe_model(**sizes: int) -> torch.nn.Module:
+    """The tiny Qwen3.5-MoE text model (``QWEN3_5_MOE``)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    return _build(Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**(QWEN3_5_MOE | sizes)))
+
+
+def olmo_hybrid_model(**sizes: int) -> torch.nn.Module:
+    """The tiny OLMo-Hybrid (``OLMO_HYBRID``)."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    return _build(OlmoHybridForCausalLM, OlmoHybridConfig(**(OLMO_HYBRID | sizes)))
+
+
 def _build(model_class: type, config: object) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -55,12 +96,16 @@ def _build(model_class: type, config: object) -> torch.nn.Module:
     return model
 
 
-MODEL_FILES = {
-    "glm5_next": "transformers.models.glm5_next.modeling_glm5_next",
-    "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear",
-    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+BUILDERS = {
+    "kimi_linear": kimi_linear_model,
+    "qwen3_next": qwen3_next_model,
+    "qwen3_5": qwen3_5_model,
+    "qwen3_5_moe": qwen3_5_moe_model,
+    "olmo_hybrid": olmo_hybrid_model,
 }
-BUILDERS = {"kimi_linear": kimi_linear_model, "qwen3_next": qwen3_next_model}
+MODEL_FILES = {
+    name: f"transformers.models.{name}.modeling_{name}" for name in [*BUILDERS, "glm5_next"]
+}
 
 
 @contextlib.contextmanager

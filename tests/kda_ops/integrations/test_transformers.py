@@ -14,14 +14,17 @@ pytest.importorskip("transformers")
 
 import kda_ops.integrations as integrations
 from kda_ops.integrations import _transformers
+from kda_ops.integrations._conventions import FUNCTION_ROLES, GATED_NORM_SUFFIX
 from kda_ops.integrations.export import DecodeStep, cache_states
 from tests.kda_ops.integrations.models import (
     BUILDERS,
+    MODEL_FILES,
     VOCAB,
     transformers_reference,
 )
 
-MODELS = tuple(BUILDERS)
+# The other models' end-to-end tests are in test_models.py (smaller configs).
+MODELS = ("kimi_linear", "qwen3_next")
 KDA_OPS = {"kda.chunk", "kda.recurrent", "kda.causal_conv1d", "kda.gated_rms_norm"}
 
 
@@ -188,13 +191,11 @@ def test_transformers_onnx_exporter_converts_the_patched_model(model, enabled):
 
 
 def _kernel_functions(target: str) -> tuple[object, list[str], str]:
-    from kda_ops.integrations import kimi_linear, qwen3_next
-
-    if target == "qwen3_next":
-        return (importlib.import_module(qwen3_next.MODEL_FILE), list(qwen3_next.FUNCTIONS),
-                qwen3_next.GATED_NORM)  # fmt: skip
-    module_name, norm = kimi_linear.MODEL_FILES[target]
-    return importlib.import_module(module_name), list(kimi_linear.FUNCTIONS), norm
+    """The model file, the names of its functions kda_ops swaps and its gated norm class."""
+    module = importlib.import_module(MODEL_FILES[target])
+    names = [n for role in FUNCTION_ROLES for n in role.attribute_names if hasattr(module, n)]
+    norm = next(n for n in vars(module) if n.endswith(GATED_NORM_SUFFIX))
+    return module, names, norm
 
 
 @pytest.mark.parametrize("target", ["kimi_linear", "glm5_next", "qwen3_next"])
@@ -235,6 +236,8 @@ def test_conv_update_keeps_transformers_state_layout(target):
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown integration target"):
+        integrations.enable(["no_such_model"])
+    with pytest.raises(ValueError, match="defines none of the delta-rule functions"):
         integrations.enable(["mamba"])
     with pytest.raises(TypeError, match="iterable of target names"):
         integrations.enable("kimi_linear")
