@@ -1,0 +1,215 @@
+"""transformers' Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid with ``enable()`` (found by the
+functions their files hold, not by name): the unpatched model's logits, cache and tokens,
+full-graph compile of prefill and decode, and the exported prefill (with and without a
+left-padding mask) and decode steps with every state as graph I/O, dynamic batch and length.
+Kimi Linear and Qwen3-Next have the same checks in test_transformers.py; the AOTInductor
+packages of both steps are at the end (slow)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import kda_ops.integrations as integrations
+from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states
+from tests.kda_ops.integrations.models import BUILDERS, VOCAB, transformers_reference
+
+MODELS = ("qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+# Every swapped function that a prefill / a decode step runs shows up as its op.
+PREFILL_OPS = {"kda.chunk.default", "kda.causal_conv1d.default", "kda.gated_rms_norm.default"}
+DECODE_OPS = {"kda.recurrent.default", "kda.causal_conv1d.default", "kda.gated_rms_norm.default"}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return request.param, BUILDERS[request.param]()
+
+
+@pytest.fixture
+def enabled(model):
+    integrations.enable([model[0]])
+    yield
+    integrations.disable()
+
+
+def _prompt(length: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
+def _left_padding(prompt: torch.Tensor, pads: list[int]) -> torch.Tensor:
+    mask = torch.ones_like(prompt)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return mask
+
+
+def _prefill(net, prompt, mask=None):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=net.config)
+    logits = net(prompt, attention_mask=mask, cache=cache, use_cache=True).logits
+    return logits, cache
+
+
+def _unpatched(name, run):
+    """``run()`` on transformers' own PyTorch functions."""
+    integrations.disable()
+    with transformers_reference(name):
+        return run()
+
+
+def _targets(program) -> set[str]:
+    return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+
+def _assert_states_close(actual, expected, **tolerance) -> None:
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tolerance)
+
+
+@torch.no_grad()
+def test_found_by_functions_and_logits_match_unpatched(model):
+    """enable() with no target swaps the model's file (it holds the delta rules); prefill
+    with a left-padded batch, then decode steps, give the unpatched logits and states."""
+    name, net = model
+    prompt = _prompt(37, batch=3)
+    mask = _left_padding(prompt, [0, 5, 1])
+
+    def run():
+        logits, cache = _prefill(net, prompt, mask)
+        steps, full_mask = [logits], mask
+        for _ in range(3):
+            token = steps[-1][:, -1:].argmax(-1)
+            full_mask = torch.cat([full_mask, torch.ones_like(token)], dim=1)
+            steps.append(net(token, cache=cache, use_cache=True, attention_mask=full_mask).logits)
+        return steps, cache_states(cache, net.config.layer_types)
+
+    expected, expected_states = _unpatched(name, run)
+    integrations.enable()
+    try:
+        assert name in integrations.enabled()
+        swapped = {s.attribute for s in integrations.patched() if s.target == name}
+        assert {"torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                "causal_conv1d_fn", "causal_conv1d_update"} <= swapped  # fmt: skip
+        assert any(a.endswith("RMSNormGated.forward") for a in swapped), swapped
+        actual, actual_states = run()
+    finally:
+        integrations.disable()
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want)
+    _assert_states_close(actual_states, expected_states)
+
+
+@torch.no_grad()
+def test_generate_matches_unpatched(model):
+    name, net = model
+    prompt = _prompt(12)
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected = _unpatched(name, lambda: net.generate(prompt, **settings))
+    integrations.enable([name])
+    try:
+        actual = net.generate(prompt, **settings)
+    finally:
+        integrations.disable()
+    assert actual.shape == (2, 17)
+    torch.testing.assert_close(actual, expected)
+
+
+@torch.no_grad()
+def test_compile_fullgraph_prefill_and_decode(model, enabled):
+    """fullgraph=True raises on any graph break; aot_eager runs the fake kernels and
+    functionalization (the conv state's in-place update) as Inductor does."""
+    from transformers import DynamicCache
+
+    _, net = model
+    torch._dynamo.reset()
+    compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+    prompt = _prompt(19)
+    torch.testing.assert_close(compiled(prompt).logits, net(prompt).logits, rtol=0, atol=0)
+
+    cache = DynamicCache(config=net.config)
+    token = net(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    cache_copy = copy.deepcopy(cache)
+    expected = net(token, cache=cache, use_cache=True).logits
+    actual = compiled(token, cache=cache_copy, use_cache=True).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    types = net.config.layer_types
+    _assert_states_close(
+        cache_states(cache_copy, types), cache_states(cache, types), rtol=0, atol=0
+    )
+
+
+def _export_prefill(net, with_mask: bool):
+    batch = torch.export.Dim("batch", min=1, max=64)
+    length = torch.export.Dim("length", min=2, max=4096)
+    prompt = _prompt(9, batch=3)
+    mask = _left_padding(prompt, [0, 4, 2]) if with_mask else None
+    dynamic = {"input_ids": {0: batch, 1: length},
+               "attention_mask": {0: batch, 1: length} if with_mask else None}  # fmt: skip
+    return torch.export.export(PrefillStep(net), (prompt, mask), dynamic_shapes=dynamic)
+
+
+def _export_decode(net, states):
+    batch = torch.export.Dim("batch", min=1, max=64)
+    kv_length = torch.export.Dim("kv_length", min=2, max=4096)
+    dynamic = {
+        "input_ids": {0: batch},
+        "states": [({0: batch, 2: kv_length},) * 2 if t == "full_attention" else ({0: batch},) * 2
+                   for t in net.config.layer_types],
+    }  # fmt: skip
+    token = torch.full((states[0][0].shape[0], 1), 5)
+    return torch.export.export(DecodeStep(net), (token, states), dynamic_shapes=dynamic)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "left_padding"])
+@torch.no_grad()
+def test_export_prefill_dynamic_batch_and_length(model, enabled, with_mask):
+    """The program traced at B = 3, T = 9 runs B = 2, T = 3 (shorter than the conv width:
+    PrefillStep's zero conv states leave no branch on T) and B = 1, T = 21. Without a mask
+    for Qwen3.5 only: the same code path with one input less."""
+    name, net = model
+    if not with_mask and name != "qwen3_5":
+        pytest.skip("the unmasked prefill export is checked on qwen3_5 (same path)")
+    program = _export_prefill(net, with_mask)
+    assert _targets(program) >= PREFILL_OPS
+    kinds = {spec.kind for spec in program.graph_signature.output_specs}
+    assert kinds == {torch.export.graph_signature.OutputKind.USER_OUTPUT}, kinds
+    for batch, length in [(2, 3), (1, 21)]:
+        prompt = _prompt(length, batch=batch)
+        mask = _left_padding(prompt, [1] * batch) if with_mask else None
+        logits, states = program.module()(prompt, mask)
+        expected, cache = _unpatched(name, lambda p=prompt, m=mask: _prefill(net, p, m))
+        integrations.enable([name])
+        torch.testing.assert_close(logits, expected)
+        _assert_states_close(states, cache_states(cache, net.config.layer_types))
+
+
+@torch.no_grad()
+def test_export_decode_step_dynamic_batch_and_kv_length(model, enabled):
+    _, net = model
+    prefill = PrefillStep(net)
+    _, states = prefill(_prompt(6, batch=3))
+    program = _export_decode(net, states)
+    assert _targets(program) >= DECODE_OPS
+    for batch, length in [(2, 5), (1, 17)]:
+        _, states = prefill(_prompt(length, batch=batch))
+        token = torch.full((batch, 1), 7)
+        logits, new_states = program.module()(token, states)
+        eager_logits, eager_states = DecodeStep(net)(token, states)
+        torch.testing.assert_close(logits, eager_logits)
+        _assert_states_close(new_states, eager_states)
+        assert new_states[-1][0].shape[2] == length + 1  # the KV cache grew by the token
+
+
+def test_prefill_step_checks_its_arguments(model):
+    _, net = model
+    with pytest.raises(ValueError, match="`input_ids` must be"):
+        PrefillStep(net)(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="`attention_mask`"):
+        PrefillStep(net)(_prompt(5), torch.ones(2, 4, dtype=torch.long))
