@@ -34,6 +34,11 @@ def _is_linear(layer_type: str) -> bool:
     return layer_type == "linear_attention"
 
 
+def layer_types(model: torch.nn.Module) -> list[str]:
+    """The model's ``layer_types`` (its text config's, for a multimodal model)."""
+    return list(model.config.get_text_config().layer_types)
+
+
 def _conv_weights(model: torch.nn.Module, layer_types: list[str]) -> list[Tensor]:
     """The depthwise conv weight ``[D, 1, W]`` of each linear-attention layer, in order: the
     ``Conv1d`` named ``conv1d`` inside the decoder layer (every transformers delta-rule model
@@ -72,7 +77,7 @@ class DecodeStep(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.layer_types = list(model.config.layer_types)
+        self.layer_types = layer_types(model)
 
     def forward(self, input_ids: Tensor, states: list[LayerState]) -> tuple[Tensor, list]:
         from transformers import DynamicCache
@@ -103,7 +108,7 @@ class PrefillStep(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.layer_types = list(model.config.layer_types)
+        self.layer_types = layer_types(model)
         _conv_weights(model, self.layer_types)  # the model has the layout we seed
 
     def forward(

@@ -48,6 +48,20 @@ OLMO_HYBRID = dict(
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
 
+# GLM5-next ships as a vision-language model only; text-only input runs its text model
+# (KDA with the safe gate, MLA with the sparse-attention indexer, hyper-connections).
+GLM5_NEXT_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+    num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=0,
+    v_head_dim=32, qk_nope_head_dim=32, index_topk=16, index_kpool=4, index_head_dim=32,
+    index_n_heads=2, linear_head_dim=32, linear_num_heads=2, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense"] * 2,
+    hc_mult=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+GLM5_NEXT_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                        out_hidden_size=64)  # fmt: skip
+
 
 def kimi_linear_model(**sizes: int) -> torch.nn.Module:
     """The tiny Kimi Linear (``KIMI_LINEAR``), with ``sizes`` replacing config entries."""
@@ -84,6 +98,15 @@ def olmo_hybrid_model(**sizes: int) -> torch.nn.Module:
     return _build(OlmoHybridForCausalLM, OlmoHybridConfig(**(OLMO_HYBRID | sizes)))
 
 
+def glm5_next_model(**sizes: int) -> torch.nn.Module:
+    """The tiny GLM5-next (``GLM5_NEXT_TEXT`` and a one-block vision tower), with ``sizes``
+    replacing text config entries."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    config = Glm5NextConfig(text_config=GLM5_NEXT_TEXT | sizes, vision_config=GLM5_NEXT_VISION)
+    return _build(Glm5NextForConditionalGeneration, config)
+
+
 def _build(model_class: type, config: object) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -102,10 +125,9 @@ BUILDERS = {
     "qwen3_5": qwen3_5_model,
     "qwen3_5_moe": qwen3_5_moe_model,
     "olmo_hybrid": olmo_hybrid_model,
+    "glm5_next": glm5_next_model,
 }
-MODEL_FILES = {
-    name: f"transformers.models.{name}.modeling_{name}" for name in [*BUILDERS, "glm5_next"]
-}
+MODEL_FILES = {name: f"transformers.models.{name}.modeling_{name}" for name in BUILDERS}
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ def _packages(net, directory):
                         "attention_mask": {0: batch, 1: length}},
     )  # fmt: skip
     _, states = PrefillStep(net)(prompt)
-    layer_dims = [({0: batch, 2: kv_length},) * 2 if t == "full_attention" else ({0: batch},) * 2
+    layer_dims = [({0: batch, 2: kv_length},) * 2 if t != "linear_attention" else ({0: batch},) * 2
                   for t in net.config.layer_types]  # fmt: skip
     decode = torch.export.export(
         DecodeStep(net),

@@ -1,9 +1,10 @@
-"""transformers' Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid with ``enable()`` (found by the
+"""transformers' Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid and GLM5-next with ``enable()`` (found by the
 functions their files hold, not by name): the unpatched model's logits, cache and tokens,
 full-graph compile of prefill and decode, and the exported prefill (with and without a
 left-padding mask) and decode steps with every state as graph I/O, dynamic batch and length.
 Kimi Linear and Qwen3-Next have the same checks in test_transformers.py; the AOTInductor
-packages of both steps are at the end (slow)."""
+packages of both steps are in test_aoti.py. Compile and export cases are marked ``slow``
+(seconds each on 2 CPU cores; they run in CI all the same)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ import torch
 pytest.importorskip("transformers")
 
 import kda_ops.integrations as integrations
-from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states
-from tests.kda_ops.integrations.models import BUILDERS, VOCAB, transformers_reference
+from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states, layer_types
+from tests.kda_ops.integrations.models import (
+    BUILDERS,
+    GLM5_NEXT_TEXT,
+    VOCAB,
+    transformers_reference,
+)
 
-MODELS = ("qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+MODELS = ("qwen3_5", "qwen3_5_moe", "olmo_hybrid", "glm5_next")
+DELTA_RULES = {
+    "gdn": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+    "kda": ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
+}
 # Every swapped function that a prefill / a decode step runs shows up as its op.
 PREFILL_OPS = {"kda.chunk.default", "kda.causal_conv1d.default", "kda.gated_rms_norm.default"}
 DECODE_OPS = {"kda.recurrent.default", "kda.causal_conv1d.default", "kda.gated_rms_norm.default"}
@@ -88,15 +98,15 @@ def test_found_by_functions_and_logits_match_unpatched(model):
             token = steps[-1][:, -1:].argmax(-1)
             full_mask = torch.cat([full_mask, torch.ones_like(token)], dim=1)
             steps.append(net(token, cache=cache, use_cache=True, attention_mask=full_mask).logits)
-        return steps, cache_states(cache, net.config.layer_types)
+        return steps, cache_states(cache, layer_types(net))
 
     expected, expected_states = _unpatched(name, run)
     integrations.enable()
     try:
         assert name in integrations.enabled()
         swapped = {s.attribute for s in integrations.patched() if s.target == name}
-        assert {"torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-                "causal_conv1d_fn", "causal_conv1d_update"} <= swapped  # fmt: skip
+        delta_rules = DELTA_RULES["kda" if name == "glm5_next" else "gdn"]
+        assert {*delta_rules, "causal_conv1d_fn", "causal_conv1d_update"} <= swapped
         assert any(a.endswith("RMSNormGated.forward") for a in swapped), swapped
         actual, actual_states = run()
     finally:
@@ -121,6 +131,7 @@ def test_generate_matches_unpatched(model):
     torch.testing.assert_close(actual, expected)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_compile_fullgraph_prefill_and_decode(model, enabled):
     """fullgraph=True raises on any graph break; aot_eager runs the fake kernels and
@@ -139,15 +150,22 @@ def test_compile_fullgraph_prefill_and_decode(model, enabled):
     expected = net(token, cache=cache, use_cache=True).logits
     actual = compiled(token, cache=cache_copy, use_cache=True).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-    types = net.config.layer_types
+    types = layer_types(net)
     _assert_states_close(
         cache_states(cache_copy, types), cache_states(cache, types), rtol=0, atol=0
     )
 
 
-def _export_prefill(net, with_mask: bool):
+def _min_length(name: str) -> int:
+    """The shortest prompt a prefill program takes: 2 (``torch.export`` specializes T = 1),
+    or for GLM5-next one more than its sparse-attention indexer's key pool (its indexer
+    branches on whether the prompt fills more than one pool; not a linear-attention bound)."""
+    return GLM5_NEXT_TEXT["index_kpool"] + 1 if name == "glm5_next" else 2
+
+
+def _export_prefill(net, name: str, with_mask: bool):
     batch = torch.export.Dim("batch", min=1, max=64)
-    length = torch.export.Dim("length", min=2, max=4096)
+    length = torch.export.Dim("length", min=_min_length(name), max=4096)
     prompt = _prompt(9, batch=3)
     mask = _left_padding(prompt, [0, 4, 2]) if with_mask else None
     dynamic = {"input_ids": {0: batch, 1: length},
@@ -160,36 +178,38 @@ def _export_decode(net, states):
     kv_length = torch.export.Dim("kv_length", min=2, max=4096)
     dynamic = {
         "input_ids": {0: batch},
-        "states": [({0: batch, 2: kv_length},) * 2 if t == "full_attention" else ({0: batch},) * 2
-                   for t in net.config.layer_types],
+        "states": [({0: batch, 2: kv_length},) * 2 if t != "linear_attention" else ({0: batch},) * 2
+                   for t in layer_types(net)],
     }  # fmt: skip
     token = torch.full((states[0][0].shape[0], 1), 5)
     return torch.export.export(DecodeStep(net), (token, states), dynamic_shapes=dynamic)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "left_padding"])
 @torch.no_grad()
 def test_export_prefill_dynamic_batch_and_length(model, enabled, with_mask):
     """The program traced at B = 3, T = 9 runs B = 2, T = 3 (shorter than the conv width:
-    PrefillStep's zero conv states leave no branch on T) and B = 1, T = 21. Without a mask
-    for Qwen3.5 only: the same code path with one input less."""
+    PrefillStep's zero conv states leave no branch on T; GLM5-next: T = 5) and B = 1,
+    T = 21. Without a mask for Qwen3.5 only: the same code path with one input less."""
     name, net = model
     if not with_mask and name != "qwen3_5":
         pytest.skip("the unmasked prefill export is checked on qwen3_5 (same path)")
-    program = _export_prefill(net, with_mask)
+    program = _export_prefill(net, name, with_mask)
     assert _targets(program) >= PREFILL_OPS
     kinds = {spec.kind for spec in program.graph_signature.output_specs}
     assert kinds == {torch.export.graph_signature.OutputKind.USER_OUTPUT}, kinds
-    for batch, length in [(2, 3), (1, 21)]:
+    for batch, length in [(2, max(3, _min_length(name))), (1, 21)]:
         prompt = _prompt(length, batch=batch)
         mask = _left_padding(prompt, [1] * batch) if with_mask else None
         logits, states = program.module()(prompt, mask)
         expected, cache = _unpatched(name, lambda p=prompt, m=mask: _prefill(net, p, m))
         integrations.enable([name])
         torch.testing.assert_close(logits, expected)
-        _assert_states_close(states, cache_states(cache, net.config.layer_types))
+        _assert_states_close(states, cache_states(cache, layer_types(net)))
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_export_decode_step_dynamic_batch_and_kv_length(model, enabled):
     _, net = model
