@@ -123,6 +123,9 @@ def _on_import(module: ModuleType) -> None:
 
     if not _STATE.all_models:
         return
+    # A module executed again (importlib.reload) holds its original functions again: the
+    # swaps recorded for it are stale.
+    _STATE.modules.pop(module.__name__, None)
     try:
         _swap_module(module)
     except Exception as error:  # reported, never raised into the user's import

@@ -70,21 +70,34 @@ def cache_states(cache: Any, layer_types: list[str]) -> list[LayerState]:
 
 
 class DecodeStep(torch.nn.Module):
-    """``forward(input_ids [B, T], states) -> (logits [B, T, vocab], new_states)`` for a
-    transformers hybrid causal LM (``KimiLinearForCausalLM``, ``Qwen3NextForCausalLM``);
-    ``states`` as returned by :func:`cache_states`."""
+    """``forward(input_ids [B, T], states, attention_mask [B, L + T] or None) -> (logits
+    [B, T, vocab], new_states)`` for a transformers hybrid causal LM
+    (``KimiLinearForCausalLM``, ``Qwen3_5ForCausalLM``, ...); ``states`` as returned by
+    :func:`cache_states` (L: the cached length); ``attention_mask`` the 0/1 padding mask of
+    every cached and new token, as ``generate()`` passes it (a left-padded prompt's padded
+    positions stay masked in the full-attention layers)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
         self.layer_types = layer_types(model)
 
-    def forward(self, input_ids: Tensor, states: list[LayerState]) -> tuple[Tensor, list]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        states: list[LayerState],
+        attention_mask: Optional[Tensor] = None,
+    ) -> tuple[Tensor, list]:
         from transformers import DynamicCache
 
         if len(states) != len(self.layer_types):
             raise ValueError(
                 f"DecodeStep: expected {len(self.layer_types)} layer states, got {len(states)}"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                "DecodeStep: `attention_mask` must be [B, cached + new tokens], got "
+                f"{tuple(attention_mask.shape)}"
             )
         cache = DynamicCache(config=self.model.config)
         for index, ((first, second), layer_type) in enumerate(zip(states, self.layer_types)):
@@ -93,7 +106,9 @@ class DecodeStep(torch.nn.Module):
                 cache.update_recurrent_state(second, index)
             else:
                 cache.update(first, second, index)
-        logits = self.model(input_ids, cache=cache, use_cache=True).logits
+        logits = self.model(
+            input_ids, attention_mask=attention_mask, cache=cache, use_cache=True
+        ).logits
         return logits, cache_states(cache, self.layer_types)
 
 

@@ -43,11 +43,12 @@ def _packages(net, directory):
     _, states = PrefillStep(net)(prompt)
     layer_dims = [({0: batch, 2: kv_length},) * 2 if t != "linear_attention" else ({0: batch},) * 2
                   for t in net.config.layer_types]  # fmt: skip
+    step_mask = torch.ones(3, states[-1][0].shape[2] + 1, dtype=torch.long)
     decode = torch.export.export(
-        DecodeStep(net),
-        (torch.full((3, 1), 5), states),
-        dynamic_shapes={"input_ids": {0: batch}, "states": layer_dims},
-    )
+        DecodeStep(net), (torch.full((3, 1), 5), states, step_mask),
+        dynamic_shapes={"input_ids": {0: batch}, "states": layer_dims,
+                        "attention_mask": {0: batch, 1: kv_length + 1}},
+    )  # fmt: skip
     return (aoti.package(prefill, directory / "prefill.pt2"),
             aoti.package(decode, directory / "decode.pt2"))  # fmt: skip
 
@@ -57,9 +58,10 @@ def _greedy(prefill, decode, prompt, mask):
     steps = [logits[:, -1]]
     for _ in range(DECODE_STEPS):
         token = steps[-1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
         # A package reads its inputs with the strides it was traced with.
         states = [tuple(t.contiguous() for t in layer) for layer in states]
-        logits, states = decode(token, states)
+        logits, states = decode(token, states, mask)
         steps.append(logits[:, -1])
     return torch.stack(steps, dim=1)
 

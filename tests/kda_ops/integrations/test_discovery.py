@@ -132,6 +132,11 @@ def test_a_model_file_imported_later_that_copies_the_functions_is_swapped(new_mo
     assert "kda::chunk" in recorder.ops
     torch.testing.assert_close(actual, original(*args, **kwargs))
 
+    # Executed again, the module is swapped again (its recorded swaps were stale).
+    module = importlib.reload(module)
+    assert module.torch_chunk_gated_delta_rule.__module__ == "kda_ops.integrations._transformers"
+    original = vars(module)["_original_chunk"]
+
     integrations.disable()
     assert module.torch_chunk_gated_delta_rule is original
     assert integrations.patched() == []
