@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import kda_ops.integrations as integrations
 from kda_ops.integrations import _transformers
 from kda_ops.integrations._conventions import FUNCTION_ROLES, GATED_NORM_SUFFIX
-from kda_ops.integrations.export import DecodeStep, cache_states
+from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states
 from tests.kda_ops.integrations.models import (
     BUILDERS,
     MODEL_FILES,
@@ -171,6 +171,38 @@ def test_export_decode_step_with_states_as_io(model, enabled):
     torch.testing.assert_close(logits, expected)
     for got, want in zip(new_states, cache_states(cache, types)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_export_prefill_step_with_left_padding(model, enabled):
+    """PrefillStep exported with dynamic batch and length (T = 3 < the conv width runs:
+    no branch on T) gives the unpatched model's logits and cache states."""
+    from transformers import DynamicCache
+
+    name, net = model
+    batch = torch.export.Dim("batch", min=1, max=64)
+    length = torch.export.Dim("length", min=2, max=4096)
+    prompt = _prompt(9, batch=3)
+    dims = {0: batch, 1: length}
+    dynamic = {"input_ids": dims, "attention_mask": dims}
+    args = (prompt, torch.ones_like(prompt))
+    program = torch.export.export(PrefillStep(net), args, dynamic_shapes=dynamic)
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert targets >= {"kda.chunk.default", "kda.causal_conv1d.default"}
+    for size, tokens in [(2, 3), (1, 20)]:
+        prompt = _prompt(tokens, batch=size)
+        mask = torch.ones_like(prompt)
+        mask[0, :1] = 0
+        logits, states = program.module()(prompt, mask)
+        integrations.disable()
+        with transformers_reference(name):
+            cache = DynamicCache(config=net.config)
+            expected = net(prompt, attention_mask=mask, cache=cache, use_cache=True).logits
+        integrations.enable([name])
+        torch.testing.assert_close(logits, expected)
+        for got, want in zip(states, cache_states(cache, net.config.layer_types)):
+            torch.testing.assert_close(got, want)
 
 
 @torch.no_grad()
