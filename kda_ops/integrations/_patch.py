@@ -40,6 +40,11 @@ class PatchSet:
     def active(self) -> bool:
         return bool(self._applied)
 
+    @property
+    def patches(self) -> tuple[Patch, ...]:
+        """The swaps in force, in the order they were applied."""
+        return tuple(self._applied)
+
     def apply(self, patches: list[Patch]) -> None:
         if self.active:
             return

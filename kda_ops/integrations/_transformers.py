@@ -1,7 +1,8 @@
 """Replacements for the kernel functions of transformers' hybrid linear-attention models.
 
 transformers (>= 5.24) writes the same four functions into every KDA / Gated DeltaNet model
-file (``kimi_linear``, ``glm5_next``, ``qwen3_next``): a chunked and a recurrent delta rule
+file (``kimi_linear``, ``glm5_next``, ``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``,
+``olmo_hybrid``, ...; its modular files copy them): a chunked and a recurrent delta rule
 (FLA's ``chunk_kda`` / ``fused_recurrent_kda`` / ``chunk_gated_delta_rule`` /
 ``fused_recurrent_gated_delta_rule`` when FLA is installed, Python loops over T otherwise),
 ``causal_conv1d_fn`` / ``causal_conv1d_update`` and a gated RMSNorm module. The functions
@@ -148,18 +149,13 @@ def gated_rms_norm_forward(module: torch.nn.Module, hidden_states: Tensor, gate:
     )
 
 
-def model_patches(
-    module: Any,
-    functions: dict[str, Any],
-    gated_norm_class: str,
-) -> list[Patch]:
-    """The swaps for one transformers model file: module-level kernel functions by name,
-    and the gated norm class's ``forward`` (so models built before ``enable()`` switch too)."""
-    patches = [Patch(module, name, fn) for name, fn in functions.items()]
+def gated_norm_patch(cls: type) -> Patch:
+    """The swap of a gated RMSNorm class's ``forward`` (so models built before ``enable()``
+    switch too)."""
 
     def forward(self: torch.nn.Module, hidden_states: Tensor, gate: Optional[Tensor] = None):
         return gated_rms_norm_forward(self, hidden_states, gate)
 
     forward.__doc__ = gated_rms_norm_forward.__doc__
-    patches.append(Patch(getattr(module, gated_norm_class), "forward", forward))
-    return patches
+    forward.__qualname__ = forward.__name__ = "gated_rms_norm_forward"
+    return Patch(cls, "forward", forward)

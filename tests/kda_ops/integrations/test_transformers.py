@@ -14,14 +14,17 @@ pytest.importorskip("transformers")
 
 import kda_ops.integrations as integrations
 from kda_ops.integrations import _transformers
-from kda_ops.integrations.export import DecodeStep, cache_states
+from kda_ops.integrations._conventions import FUNCTION_ROLES, GATED_NORM_SUFFIX
+from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states
 from tests.kda_ops.integrations.models import (
     BUILDERS,
+    MODEL_FILES,
     VOCAB,
     transformers_reference,
 )
 
-MODELS = tuple(BUILDERS)
+# The other models' end-to-end tests are in test_models.py (smaller configs).
+MODELS = ("kimi_linear", "qwen3_next")
 KDA_OPS = {"kda.chunk", "kda.recurrent", "kda.causal_conv1d", "kda.gated_rms_norm"}
 
 
@@ -170,6 +173,38 @@ def test_export_decode_step_with_states_as_io(model, enabled):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_export_prefill_step_with_left_padding(model, enabled):
+    """PrefillStep exported with dynamic batch and length (T = 3 < the conv width runs:
+    no branch on T) gives the unpatched model's logits and cache states."""
+    from transformers import DynamicCache
+
+    name, net = model
+    batch = torch.export.Dim("batch", min=1, max=64)
+    length = torch.export.Dim("length", min=2, max=4096)
+    prompt = _prompt(9, batch=3)
+    dims = {0: batch, 1: length}
+    dynamic = {"input_ids": dims, "attention_mask": dims}
+    args = (prompt, torch.ones_like(prompt))
+    program = torch.export.export(PrefillStep(net), args, dynamic_shapes=dynamic)
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert targets >= {"kda.chunk.default", "kda.causal_conv1d.default"}
+    for size, tokens in [(2, 3), (1, 20)]:
+        prompt = _prompt(tokens, batch=size)
+        mask = torch.ones_like(prompt)
+        mask[0, :1] = 0
+        logits, states = program.module()(prompt, mask)
+        integrations.disable()
+        with transformers_reference(name):
+            cache = DynamicCache(config=net.config)
+            expected = net(prompt, attention_mask=mask, cache=cache, use_cache=True).logits
+        integrations.enable([name])
+        torch.testing.assert_close(logits, expected)
+        for got, want in zip(states, cache_states(cache, net.config.layer_types)):
+            torch.testing.assert_close(got, want)
+
+
 @torch.no_grad()
 def test_transformers_onnx_exporter_converts_the_patched_model(model, enabled):
     """transformers' own OnnxExporter passes its own translation table; the kda ops'
@@ -188,13 +223,11 @@ def test_transformers_onnx_exporter_converts_the_patched_model(model, enabled):
 
 
 def _kernel_functions(target: str) -> tuple[object, list[str], str]:
-    from kda_ops.integrations import kimi_linear, qwen3_next
-
-    if target == "qwen3_next":
-        return (importlib.import_module(qwen3_next.MODEL_FILE), list(qwen3_next.FUNCTIONS),
-                qwen3_next.GATED_NORM)  # fmt: skip
-    module_name, norm = kimi_linear.MODEL_FILES[target]
-    return importlib.import_module(module_name), list(kimi_linear.FUNCTIONS), norm
+    """The model file, the names of its functions kda_ops swaps and its gated norm class."""
+    module = importlib.import_module(MODEL_FILES[target])
+    names = [n for role in FUNCTION_ROLES for n in role.attribute_names if hasattr(module, n)]
+    norm = next(n for n in vars(module) if n.endswith(GATED_NORM_SUFFIX))
+    return module, names, norm
 
 
 @pytest.mark.parametrize("target", ["kimi_linear", "glm5_next", "qwen3_next"])
@@ -235,6 +268,8 @@ def test_conv_update_keeps_transformers_state_layout(target):
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown integration target"):
+        integrations.enable(["no_such_model"])
+    with pytest.raises(ValueError, match="defines none of the delta-rule functions"):
         integrations.enable(["mamba"])
     with pytest.raises(TypeError, match="iterable of target names"):
         integrations.enable("kimi_linear")
