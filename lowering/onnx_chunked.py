@@ -43,6 +43,7 @@ from lowering import onnx as kda_onnx
 
 CHUNK = 64  # tokens per chunk, as reference.CHUNK_SIZE
 BLOCK = 16  # the triangular inverse's blocks inverted by the nilpotent product
+ELEMENTWISE_HALF = 2  # halves up to this size pair up by broadcast products, not MatMul
 
 Value = kda_onnx.Value
 
@@ -107,6 +108,16 @@ def _by_chunks(x: Value, padding: Value, heads: int, trailing: list[int]) -> Val
     return op.Transpose(shaped, perm=perm)
 
 
+def _transposed(x: Value) -> Value:
+    """``[B, HV, NC, R, D]`` -> ``[B, HV, NC, D, R]``. Through 3-D: onnxruntime's graph
+    optimizer merges a 5-D Transpose with the chunk layout's into one that moves the
+    innermost axis, which it runs about ten times slower."""
+    rows, cols = op.Shape(x, start=3, end=4), op.Shape(x, start=4, end=5)
+    flat = op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), rows, cols, axis=0))
+    batch = op.Shape(x, start=0, end=3)
+    return op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), op.Concat(batch, cols, rows, axis=0))
+
+
 def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value]:
     """``(Aqk, Akk)`` before masking, ``[B, HV, NC, C, C]``: ``sum_c x_i[c] k_j[c]
     exp(G_i[c] - G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere).
@@ -131,7 +142,12 @@ def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Valu
         from_ref = op.Exp(ref - op.Slice(cum_b, [0], [1], [4]))  # [.., m, 1, h, K], <= 1
         second = op.Slice(rows_b, [1], [2], [5]) * op.Unsqueeze(to_ref, [3])
         first = op.Unsqueeze(op.Slice(k_b, [0], [1], [4]) * from_ref, [3])
-        corner = op.MatMul(second, op.Transpose(first, perm=[0, 1, 2, 3, 4, 5, 7, 6]))
+        if half <= ELEMENTWISE_HALF:  # tiny products: cheaper as a broadcast sum
+            corner = op.ReduceSum(
+                op.Unsqueeze(second, [-2]) * op.Unsqueeze(first, [-3]), [-1], keepdims=0
+            )
+        else:
+            corner = op.MatMul(second, op.Transpose(first, perm=[0, 1, 2, 3, 4, 5, 7, 6]))
         # [.., 2, m, 1, h, h] each: assemble [[top, 0], [corner, bottom]].
         paired = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 0, 2, count, 2, half, half]))
         top = op.Slice(paired, [0], [1], [5])
@@ -172,7 +188,8 @@ def chunked_delta_rule(
     q_c = _by_chunks(qf, padding, value_heads, [head_k])  # [B, HV, NC, C, K]
     k_c = _by_chunks(kf, padding, value_heads, [head_k])
     v_c = _by_chunks(vf, padding, value_heads, [head_v])
-    g_c = _by_chunks(log_decay, padding, value_heads, [1 if per_head else head_k])
+    gate_width = 1 if per_head else head_k
+    g_c = _by_chunks(log_decay, padding, value_heads, [gate_width])
     beta_c = op.Unsqueeze(_by_chunks(beta_f, padding, value_heads, []), [-1])  # [B, HV, NC, C, 1]
     cum = op.CumSum(g_c, op.Constant(value_int=3))
     last = op.Slice(cum, [CHUNK - 1], [CHUNK], [3])  # [B, HV, NC, 1, Kg]
@@ -182,9 +199,9 @@ def chunked_delta_rule(
         pair = cum - op.Transpose(cum, perm=[0, 1, 2, 4, 3])
         causal = _const(np.tril(np.ones((CHUNK, CHUNK), dtype=bool)))
         decays = op.Exp(op.Where(causal, pair, op.Constant(value_float=-np.inf)))
-        k_t = op.Transpose(k_c, perm=[0, 1, 2, 4, 3])
-        aqk = op.MatMul(q_c, k_t) * decays
-        akk = op.MatMul(k_c, k_t) * decays
+        # One product for both: a Transpose feeding two MatMuls runs on its own.
+        both = op.MatMul(op.Concat(q_c, k_c, axis=3), _transposed(k_c))  # [.., 2C, C]
+        aqk, akk = (op.Slice(both, [start], [start + CHUNK], [3]) * decays for start in (0, CHUNK))
     else:
         aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k)
     lower = beta_c * akk * strict
@@ -194,9 +211,11 @@ def chunked_delta_rule(
     w = op.MatMul(inverse, beta_c * k_c * gamma)  # [B, HV, NC, C, K]
     # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S) = M S + E, with M and E
     # formed for all chunks at once; the serial Scan is one product per chunk.
-    kd_t = op.Transpose(k_c * op.Exp(last - cum), perm=[0, 1, 2, 4, 3])  # [.., K, C]
+    kd = k_c * op.Exp(last - cum)
     eye = _const(np.eye(head_k, dtype=np.float32))
-    transition = eye * op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3]) - op.MatMul(kd_t, w)
+    decay_rows = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
+    kd_t = _transposed(kd)
+    transition = eye * decay_rows - op.MatMul(kd_t, w)
     final, starts = chunk_scan(state, transition, op.MatMul(kd_t, u_base))
     # O = (Q ⊙ Γ) S + Aqk (U - W S) = Aqk U + (Q ⊙ Γ - Aqk W) S, for all chunks at once.
     o = op.MatMul(aqk, u_base) + op.MatMul(q_c * gamma - op.MatMul(aqk, w), starts)
