@@ -1,11 +1,17 @@
 """ONNX translation of the ``kda`` ops for ``torch.onnx.export(..., dynamo=True)``.
 
-Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
+Four modes, each a ``custom_translation_table`` (:func:`translation_table`; user guide:
+``docs/onnx.md``):
 
-- ``"portable"``: standard ONNX (opset 18) that onnxruntime runs with dynamic T. The delta
-  rule (``kda.chunk`` and ``kda.recurrent`` alike) is a ``Scan`` over tokens carrying the
-  ``[B, HV, K, V]`` float32 state; the conv is a grouped ``Conv`` over the history
-  concatenated with the input; gate and gated RMSNorm are elementwise. Math in float32.
+- ``"standard"`` (opset 27): ONNX's own ``LinearAttention`` and ``CausalConvWithState``
+  after standard pre-processing nodes (:mod:`lowering.onnx_standard`). No packed sequences.
+- ``"portable"`` (opset 18): the chunk prefill as matrix products over 64-token chunks
+  with a ``Scan`` over chunks (:mod:`lowering.onnx_chunked`); the decode step
+  (``kda.recurrent``) a ``Scan`` over tokens carrying the ``[B, HV, K, V]`` float32
+  state; the conv a grouped ``Conv`` over the history concatenated with the input; gate
+  and gated RMSNorm elementwise. Math in float32.
+- ``"token"`` (opset 18): portable with every delta rule a token ``Scan`` (the form
+  portable mode had before the chunked prefill; kept as a baseline).
 - ``"plugin"``: one node per op in the ``kda`` domain (op type = the op's name, e.g.
   ``kda::recurrent``), with schemas registered in ``onnx.defs`` (so ONNX shape inference
   works) and the attributes TensorRT's ONNX parser uses to find a plugin
@@ -17,10 +23,14 @@ Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
   intermediates are node outputs) then ``chunk_recurrence``: each node is one
   single-kernel plugin of ``lowering.tensorrt_plugins``.
 
-Packed sequences (``cu_seqlens``) are translated in portable mode (the delta-rule scan
-reloads the state at each sequence's first token; the conv gathers each tap's input from
-the sequence or its history). Plugin mode rejects them with a ``ValueError``: the
-plugins take no ``cu_seqlens`` input.
+Without a table, ``torch.onnx.export`` finds the standard translations from opset 27 on
+and the portable ones below (:func:`register_default_translations`, which
+:mod:`lowering.onnx_registry` runs on the first export after ``import kda_ops``).
+
+Packed sequences (``cu_seqlens``) are translated in portable and token mode (the
+delta-rule token scan reloads the state at each sequence's first token; the conv gathers
+each tap's input from the sequence or its history). Standard and plugin mode reject them
+with a ``ValueError``: neither the standard ops nor the plugins take ``cu_seqlens``.
 """
 
 from __future__ import annotations
