@@ -63,8 +63,9 @@ def install_version_conversion() -> None:
     ``convert_version``) as the module docstring says; idempotent."""
     from torch.onnx._internal import _lazy_import
 
-    apis = importlib.import_module(getattr(_lazy_import.onnxscript_apis, "_name",
-                                           "onnxscript._framework_apis.torch_2_11"))  # fmt: skip
+    # The framework-API module itself (torch holds it behind a lazy proxy, which forwards
+    # attribute reads, __name__ included, to the module).
+    apis = importlib.import_module(_lazy_import.onnxscript_apis.__name__)
     original = apis.convert_version
     if getattr(original, "kda_standard", False):
         return

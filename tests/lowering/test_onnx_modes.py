@@ -100,10 +100,14 @@ CASES = {
     "gdn_log_decay_neg_eigval": lambda: _delta_rule(2, 4, True, None, False, neg_eigval=True),
     "conv_norm_gate": _conv_norm_gate,
 }
-NODES = {  # what each mode's delta rule / conv must be made of
+NODES = {  # what each mode's delta rule / conv must be made of (CumSum: the chunked form)
     "standard": {"delta": {"LinearAttention"}, "conv": {"CausalConvWithState"}},
-    "portable": {"delta": {"Scan"}, "conv": {"Conv"}},
+    "portable": {"delta": {"Scan", "CumSum"}, "conv": {"Conv"}},
+    "token": {"delta": {"Scan"}, "conv": {"Conv"}},
 }
+RUNS = [(case, mode) for case in sorted(CASES) for mode in MODES] + [
+    ("kda_gva_safe_gate_state", "token")
+]
 
 
 def _export(case, mode, path):
@@ -116,8 +120,7 @@ def _export(case, mode, path):
     return module, inputs
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case, mode", RUNS)
 def test_onnxruntime_matches_pytorch(case, mode, tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "op.onnx"
@@ -129,6 +132,8 @@ def test_onnxruntime_matches_pytorch(case, mode, tmp_path):
     assert NODES[mode]["conv" if case.startswith("conv") else "delta"] <= op_types
     if mode == "standard":
         assert "Scan" not in op_types  # nothing token-serial outside the standard ops
+    if mode == "token":
+        assert "CumSum" not in op_types
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for length in LENGTHS:
         args = inputs(length)
