@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+import onnxscript
 import torch
 from harness import rotated_rounds
 from results import Results, add_arguments, row
@@ -115,6 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     results = Results.from_args("onnx_forms", args)
     workdir = Path(tempfile.mkdtemp(prefix="onnx_forms_"))
+    machine = dict(cpu_cores=os.cpu_count(), onnxruntime=ort.__version__,
+                   onnx=onnx.__version__, onnxscript=onnxscript.__version__)  # fmt: skip
     torch.manual_seed(0)
     torch.set_flush_denormal(args.flush_denormals)
     for gate in args.gates:
@@ -147,7 +151,7 @@ def main() -> None:
                 times = rotated_rounds(calls, args.rounds, timer=timer)
                 for name, values in times.items():
                     extra = dict(threads=threads, onnx_opset=kda_onnx.MODE_OPSETS.get(name),
-                                 flush_denormals=args.flush_denormals)  # fmt: skip
+                                 flush_denormals=args.flush_denormals, **machine)  # fmt: skip
                     if name in errors:
                         extra["max_abs_error_vs_pytorch"] = errors[name]
                     library = "pytorch-cpu" if name == "pytorch" else f"onnxruntime-{name}"

@@ -22,8 +22,11 @@ at ``r``, the last token of the first half: ``exp(G_i - G_j) = exp(G_i - G_r) ·
 exp(G_r - G_j)`` with ``j <= r < i``, both factors at most 1, one matrix product per
 block; a one-token block is ``x_i · k_i``. No ``[C, C, K]`` tensor is formed (the
 reference's ``exp(G_i - G_j)`` over all causal pairs costs 64 times the inputs' size).
-A scalar decay per head (Gated DeltaNet) takes the ``[C, C]`` matrix ``exp(G_i - G_j)``
-over causal pairs directly.
+With the safe gate and a lower bound of -5 or above (K3's), the recursion stops at
+16-token blocks, each one product split at its first token: the bound keeps the factors
+within ``exp(±75)``, inside float32 (FlashKDA's 16-token rule). A scalar decay per head
+(Gated DeltaNet) takes the ``[C, C]`` matrix ``exp(G_i - G_j)`` over causal pairs
+directly.
 
 The triangular inverse is recursive: ``(I + L)⁻¹`` of a 16×16 block is the nilpotent
 product ``(I - L)(I + L²)(I + L⁴)(I + L⁸)`` (``L¹⁶ = 0``); two halves combine as
@@ -43,6 +46,10 @@ from lowering import onnx as kda_onnx
 
 CHUNK = 64  # tokens per chunk, as reference.CHUNK_SIZE
 BLOCK = 16  # the triangular inverse's blocks inverted by the nilpotent product
+# The safe gate's decay per token is above its lower bound, so a block of BLOCK tokens
+# factored at its first token has factors within exp(±(BLOCK - 1) * 5) = exp(±75), inside
+# float32 (exp(88.7)) with room for |k| up to 1e5: such blocks are one product each.
+FACTORED_BLOCK_LOWER_BOUND = -5.0
 ELEMENTWISE_HALF = 2  # halves up to this size pair up by broadcast products, not MatMul
 
 Value = kda_onnx.Value
@@ -118,7 +125,9 @@ def _transposed(x: Value) -> Value:
     return op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), op.Concat(batch, cols, rows, axis=0))
 
 
-def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value]:
+def _pairwise_decayed(
+    q: Value, k: Value, cum: Value, head_k: int, leaf: int = 1
+) -> tuple[Value, Value]:
     """``(Aqk, Akk)`` before masking, ``[B, HV, NC, C, C]``: ``sum_c x_i[c] k_j[c]
     exp(G_i[c] - G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere).
     q, k, cum ``[B, HV, NC, C, K]``.
@@ -127,11 +136,28 @@ def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Valu
     those from its second half to its first, which split every factor at ``r``, the last
     token of the first half: ``x_i exp(G_i - G_r)`` times ``k_j exp(G_r - G_j)``, each
     factor at most 1 for a log-decay ``g <= 0``, one matrix product per block. A
-    one-token block is the plain product ``x_i · k_i``."""
+    one-token block is the plain product ``x_i · k_i``. With ``leaf`` > 1 the recursion
+    stops at blocks of ``leaf`` tokens, each one product split at its first token
+    (factors up to ``exp(-(leaf - 1) * min g)``: only where the caller knows a bound on
+    the decay, :data:`FACTORED_BLOCK_LOWER_BOUND`)."""
     rows = op.Concat(op.Unsqueeze(q, [3]), op.Unsqueeze(k, [3]), axis=3)  # [.., 2, C, K]
-    # [.., 2, C, 1, 1]: the diagonal, exp(0) = 1.
-    blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [3]), [-1], keepdims=0), [-1, -2])
-    half = 1
+    if leaf == 1:
+        # [.., 2, C, 1, 1]: the diagonal, exp(0) = 1.
+        blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [3]), [-1], keepdims=0), [-1, -2])
+    else:
+        count = CHUNK // leaf
+        cum_b = op.Reshape(cum, op.Constant(value_ints=[0, 0, 0, count, leaf, head_k]))
+        first = op.Slice(cum_b, [0], [1], [4])  # [.., m, 1, K]
+        rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 0, 2, count, leaf, head_k]))
+        k_b = op.Reshape(k, op.Constant(value_ints=[0, 0, 0, count, leaf, head_k]))
+        to_first = op.Unsqueeze(op.Exp(cum_b - first), [3])  # <= 1
+        from_first = op.Exp(first - cum_b)  # <= exp(-(leaf - 1) * min g)
+        products = op.MatMul(
+            rows_b * to_first,
+            op.Unsqueeze(op.Transpose(k_b * from_first, perm=[0, 1, 2, 3, 5, 4]), [3]),
+        )  # [.., 2, m, leaf, leaf]; j > i is no causal pair: masked
+        blocks = products * _const(np.tril(np.ones((leaf, leaf), dtype=np.float32)))
+    half = leaf
     while half < CHUNK:
         count = CHUNK // (2 * half)
         split = op.Constant(value_ints=[0, 0, 0, count, 2, half, head_k])
@@ -203,7 +229,9 @@ def chunked_delta_rule(
         both = op.MatMul(op.Concat(q_c, k_c, axis=3), _transposed(k_c))  # [.., 2C, C]
         aqk, akk = (op.Slice(both, [start], [start + CHUNK], [3]) * decays for start in (0, CHUNK))
     else:
-        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k)
+        factored = lower_bound is not None and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
+        leaf = BLOCK if A_log is not None and factored else 1
+        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k, leaf)
     lower = beta_c * akk * strict
     inverse = _unit_lower_inverse(lower, CHUNK)
     gamma = op.Exp(cum)

@@ -206,3 +206,34 @@ def test_fp16_inputs(mode, tmp_path):
     for got, expected in zip(session.run(None, feeds), module(*args)):
         assert got.dtype == expected.numpy().dtype
         torch.testing.assert_close(torch.from_numpy(np.asarray(got)), expected)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_portable_chunks_take_the_strongest_decays(lower_bound, tmp_path):
+    """Every token at the safe gate's bound (-5: 16-token blocks factored at their first
+    token reach exp(±75)) or decaying by ~e^-2000 a token (softplus gate: any factor across two
+    tokens would overflow float32): the chunked form stays finite and equal to PyTorch."""
+    torch.manual_seed(0)
+    A_log, dt_bias = torch.full((2,), 6.5), torch.full((2 * DIM,), 3.0)
+
+    def fn(q, k, v, g, beta):
+        return kda_ops.chunk_kda(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, output_final_state=True,
+        )  # fmt: skip
+
+    def inputs(length):
+        tokens = (1, length, 2)
+        return (torch.randn(*tokens, DIM), torch.randn(*tokens, DIM), torch.randn(*tokens, DIM),
+                torch.rand(*tokens, DIM), torch.rand(*tokens))  # fmt: skip
+
+    module = OpCase(fn)
+    length = torch.export.Dim("T", min=1, max=4096)
+    program = torch.export.export(module, inputs(6), dynamic_shapes=(({1: length},) * 5,))
+    kda_onnx.export_onnx(program, str(tmp_path / "d.onnx"), "portable")
+    session = ort.InferenceSession(str(tmp_path / "d.onnx"), providers=["CPUExecutionProvider"])
+    args = inputs(130)
+    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+    for got, want in zip(session.run(None, feeds), module(*args)):
+        assert np.isfinite(got).all()
+        torch.testing.assert_close(torch.from_numpy(got), want)
