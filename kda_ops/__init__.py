@@ -1,7 +1,8 @@
 """kda-ops: Kimi Delta Attention and Gated DeltaNet as first-class PyTorch ops.
 
 Importing this package registers the ``torch.ops.kda`` ops (needed before
-``torch.export.load`` of a program that uses them).
+``torch.export.load`` of a program that uses them) and arranges for ``torch.onnx.export``
+to find their ONNX translations (registered on the first export, ``lowering.onnx_registry``).
 """
 
 from kda_ops import speculative  # registers kda::verify and kda::commit_
@@ -16,6 +17,9 @@ from kda_ops.gate import kda_gate
 from kda_ops.gated_norm import gated_rms_norm
 from kda_ops.plan import explain
 from kda_ops.segmented import chunk_kda_segmented
+from lowering import onnx_registry as _onnx_registry
+
+_onnx_registry.install()
 
 __version__ = "0.1.0"
 

@@ -1,11 +1,17 @@
 """ONNX translation of the ``kda`` ops for ``torch.onnx.export(..., dynamo=True)``.
 
-Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
+Four modes, each a ``custom_translation_table`` (:func:`translation_table`; user guide:
+``docs/onnx.md``):
 
-- ``"portable"``: standard ONNX (opset 18) that onnxruntime runs with dynamic T. The delta
-  rule (``kda.chunk`` and ``kda.recurrent`` alike) is a ``Scan`` over tokens carrying the
-  ``[B, HV, K, V]`` float32 state; the conv is a grouped ``Conv`` over the history
-  concatenated with the input; gate and gated RMSNorm are elementwise. Math in float32.
+- ``"standard"`` (opset 27): ONNX's own ``LinearAttention`` and ``CausalConvWithState``
+  after standard pre-processing nodes (:mod:`lowering.onnx_standard`). No packed sequences.
+- ``"portable"`` (opset 18): the chunk prefill as matrix products over 64-token chunks
+  with a ``Scan`` over chunks (:mod:`lowering.onnx_chunked`); the decode step
+  (``kda.recurrent``) a ``Scan`` over tokens carrying the ``[B, HV, K, V]`` float32
+  state; the conv a grouped ``Conv`` over the history concatenated with the input; gate
+  and gated RMSNorm elementwise. Math in float32.
+- ``"token"`` (opset 18): portable with every delta rule a token ``Scan`` (the form
+  portable mode had before the chunked prefill; kept as a baseline).
 - ``"plugin"``: one node per op in the ``kda`` domain (op type = the op's name, e.g.
   ``kda::recurrent``), with schemas registered in ``onnx.defs`` (so ONNX shape inference
   works) and the attributes TensorRT's ONNX parser uses to find a plugin
@@ -17,14 +23,19 @@ Two modes, each a ``custom_translation_table`` (:func:`translation_table`):
   intermediates are node outputs) then ``chunk_recurrence``: each node is one
   single-kernel plugin of ``lowering.tensorrt_plugins``.
 
-Packed sequences (``cu_seqlens``) are translated in portable mode (the delta-rule scan
-reloads the state at each sequence's first token; the conv gathers each tap's input from
-the sequence or its history). Plugin mode rejects them with a ``ValueError``: the
-plugins take no ``cu_seqlens`` input.
+Without a table, ``torch.onnx.export`` finds the standard translations from opset 27 on
+and the portable ones below (:func:`register_default_translations`, which
+:mod:`lowering.onnx_registry` runs on the first export after ``import kda_ops``).
+
+Packed sequences (``cu_seqlens``) are translated in portable and token mode (the
+delta-rule token scan reloads the state at each sequence's first token; the conv gathers
+each tap's input from the sequence or its history). Standard and plugin mode reject them
+with a ``ValueError``: neither the standard ops nor the plugins take ``cu_seqlens``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Optional
@@ -38,7 +49,10 @@ from onnxscript import opset18 as op
 
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 
-MODES = ("portable", "plugin")
+MODES = ("standard", "portable", "token", "plugin")
+# The opset a mode's nodes need; the exporter's registry keeps, per op, the translation of
+# the highest opset not above the export's (so opset >= 27 exports in standard mode).
+MODE_OPSETS = {"standard": 27, "portable": 18, "token": 18, "plugin": 18}
 PLUGIN_DOMAIN = "kda"
 PLUGIN_NAMESPACE = "kda"
 PLUGIN_VERSION = "1"
@@ -190,13 +204,15 @@ def _repeat_heads(x: Value, heads: int, group: int, channels: int) -> Value:
     return op.Reshape(expanded, op.Constant(value_ints=[0, 0, heads * group, channels]))
 
 
-def portable_delta_rule(
+def prepare_delta_rule(
     q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
     scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-) -> tuple[Value, Value]:  # fmt: skip
-    """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results);
-    packed sequences reset the state at each sequence's first token."""
+) -> tuple[Value, Value, Value, Value, Value, Value]:  # fmt: skip
+    """The in-kernel options applied, like ``reference.prepare_delta_rule_inputs``: float32
+    q (scaled) and k ``[B, T, HV, K]``, v ``[B, T, HV, V]``, log-decay ``[B, T, HV, K]``
+    (``[B, T, HV, 1]`` for Gated DeltaNet), beta ``[B, T, HV]`` and the initial state
+    ``[N, HV, K, V]`` (zeros when none is given)."""
     qf, kf, beta_f = _f32(q), _f32(k), _f32(beta)
     if use_qk_l2norm:
         qf, kf = _l2norm(qf), _l2norm(kf)
@@ -220,12 +236,26 @@ def portable_delta_rule(
     state = (
         _zeros(batch_of, value_heads, head_k, head_v) if initial_state is None else initial_state
     )
+    return qf, kf, _f32(v), log_decay, beta_f, _f32(state)
+
+
+def portable_delta_rule(
+    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
+    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
+    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+) -> tuple[Value, Value]:  # fmt: skip
+    """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results);
+    packed sequences reset the state at each sequence's first token."""
+    qf, kf, vf, log_decay, beta_f, state = prepare_delta_rule(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+        use_qk_l2norm, use_beta_sigmoid,
+    )  # fmt: skip
     if cu_seqlens is None:
-        final, o = delta_rule_scan(_f32(state), qf, kf, _f32(v), log_decay, beta_f)
+        final, o = delta_rule_scan(state, qf, kf, vf, log_decay, beta_f)
     else:
         seq_ids, _, starts = _token_sequences(cu_seqlens, q)
         final, o = packed_delta_rule_scan(
-            _f32(state), qf, kf, _f32(v), log_decay, beta_f, seq_ids, starts
+            state, qf, kf, vf, log_decay, beta_f, seq_ids, starts
         )  # fmt: skip
     return op.Cast(o, to=v.dtype), final
 
@@ -564,14 +594,31 @@ def plugin_gate(
 
 
 def translation_table(mode: str = "portable") -> dict[torch._ops.OpOverload, Callable]:
-    """``custom_translation_table`` for every functional ``kda`` op in ``mode``
-    (``"portable"`` or ``"plugin"``)."""
+    """``custom_translation_table`` for every functional ``kda`` op in ``mode``:
+    ``"standard"`` (opset 27: ``LinearAttention``, ``CausalConvWithState``;
+    :mod:`lowering.onnx_standard`), ``"portable"`` (opset 18; the chunk prefill chunked,
+    :mod:`lowering.onnx_chunked`, the token step a ``Scan``), ``"token"`` (opset 18, every
+    delta rule a token ``Scan``) or ``"plugin"`` (TensorRT)."""
     import kda_ops  # noqa: F401  (registers torch.ops.kda)
 
     ops = torch.ops.kda
-    if mode == "portable":
+    if mode == "standard":
+        from lowering import onnx_standard as standard
+
+        standard.install_version_conversion()
         return {
-            ops.chunk.default: portable_delta_rule,
+            ops.chunk.default: standard.standard_delta_rule,
+            ops.recurrent.default: standard.standard_delta_rule,
+            ops.causal_conv1d.default: standard.standard_causal_conv1d,
+            ops.gated_rms_norm.default: standard.standard_gated_rms_norm,
+            ops.gate.default: portable_gate,
+        }
+    if mode in ("portable", "token"):
+        from lowering import onnx_chunked
+
+        chunk = onnx_chunked.chunked_delta_rule if mode == "portable" else portable_delta_rule
+        return {
+            ops.chunk.default: chunk,
             ops.recurrent.default: portable_delta_rule,
             ops.causal_conv1d.default: portable_causal_conv1d,
             ops.gated_rms_norm.default: portable_gated_rms_norm,
@@ -589,16 +636,20 @@ def translation_table(mode: str = "portable") -> dict[torch._ops.OpOverload, Cal
     raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
 
 
-def register_default_translations(mode: str = "portable") -> None:
+def register_default_translations(mode: Optional[str] = None) -> None:
     """Make every later ``torch.onnx.export(..., dynamo=True)`` translate the ``kda`` ops
-    in ``mode`` without the caller naming :func:`translation_table` (transformers'
-    ``OnnxExporter``, for one, passes a table of its own). A caller's
-    ``custom_translation_table`` still wins: the exporter tries its entries first.
-    Importing this module registers the portable mode; calling again replaces the mode.
+    without the caller naming :func:`translation_table` (transformers' ``OnnxExporter``,
+    for one, passes a table of its own). A caller's ``custom_translation_table`` still
+    wins: the exporter tries its entries first. With ``mode=None`` (what importing this
+    module does) the export's opset picks the mode: ``"standard"`` from opset 27 on,
+    ``"portable"`` below; a mode named here serves every opset. Calling again replaces the
+    registration.
 
-    The exporter builds its registry from ``torch.onnx``'s torchlib list on every export;
-    the entries go there (an internal list of torch >= 2.11: a ``RuntimeError`` names
-    what is missing if a torch release moves it)."""
+    The exporter builds its registry from ``torch.onnx``'s torchlib list on every export
+    and keeps, per op, the entries of the highest ``opset_introduced`` not above the
+    export's opset; the entries go into that list (an internal list of torch >= 2.11: a
+    ``RuntimeError`` names what is missing if a torch release moves it).
+    :mod:`lowering.onnx_registry` runs this on the first export after ``import kda_ops``."""
     try:
         from torch.onnx._internal.exporter import _registration
         from torch.onnx._internal.exporter._torchlib import _torchlib_registry
@@ -608,20 +659,32 @@ def register_default_translations(mode: str = "portable") -> None:
             f"hold the kda translations ({error}); pass `custom_translation_table="
             "lowering.onnx.translation_table()` to torch.onnx.export instead"
         ) from error
-    table = translation_table(mode)
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES} or None, got {mode!r}")
+    fields = {field.name for field in dataclasses.fields(_registration.OnnxDecompMeta)}
+    if mode is None and "opset_introduced" not in fields:
+        mode = "portable"  # a registry with no per-opset choice: the mode every runtime runs
+    modes = ["portable", "standard"] if mode is None else [mode]
+    tables = {m: translation_table(m) for m in modes}
     registry = _torchlib_registry._registry
-    registry[:] = [meta for meta in registry if meta.fx_target not in table]
+    registry[:] = [meta for meta in registry if meta.fx_target not in tables[modes[0]]]
     # The exporter cannot infer an ONNX signature from onnxscript-IR annotations and says
     # so once per op; with no signature it dispatches every node of the op here, as meant.
     logger = logging.getLogger(_registration.__name__)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        for target, function in table.items():
-            meta = _registration.OnnxDecompMeta(function, target, signature=None, is_custom=True)
-            registry.append(meta)
+        for m, table in tables.items():
+            opset = {"opset_introduced": MODE_OPSETS[m]} if mode is None else {}
+            for target, function in table.items():
+                meta = _registration.OnnxDecompMeta(
+                    function, target, signature=None, is_custom=True, **opset
+                )
+                registry.append(meta)
     finally:
         logger.setLevel(level)
+    global _registered
+    _registered = True
 
 
 def export_onnx(
@@ -630,15 +693,33 @@ def export_onnx(
     mode: str = "portable",
     input_names: Optional[list[str]] = None,
     output_names: Optional[list[str]] = None,
+    opset_version: Optional[int] = None,
 ) -> onnx.ModelProto:
     """Translate an exported program (dynamic dims kept) to ONNX in ``mode``; save it at
-    ``path`` and return the model proto."""
+    ``path`` and return the model proto. ``opset_version`` defaults to the mode's
+    (:data:`MODE_OPSETS`); standard mode needs 27 or later."""
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+    opset = MODE_OPSETS[mode] if opset_version is None else opset_version
+    if opset < MODE_OPSETS[mode]:
+        raise ValueError(
+            f"`opset_version` {opset} is below what {mode!r} mode needs ({MODE_OPSETS[mode]})"
+        )
     onnx_program = torch.onnx.export(
         program, dynamo=True, custom_translation_table=translation_table(mode),
         input_names=input_names, output_names=output_names, verbose=False,
+        opset_version=opset,
     )  # fmt: skip
     onnx_program.save(path)
     return onnx.load(path)
 
 
-register_default_translations()
+_registered = False
+
+
+def ensure_default_translations() -> None:
+    """:func:`register_default_translations` with the opset picking the mode, unless a
+    registration was made already (what :mod:`lowering.onnx_registry` calls on the first
+    export after ``import kda_ops``)."""
+    if not _registered:
+        register_default_translations()
