@@ -16,7 +16,7 @@ from kda_ops.gate import kda_gate
 from kda_ops.gated_norm import gated_rms_norm
 from kda_ops.segmented import chunk_kda_segmented
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "causal_conv1d",
