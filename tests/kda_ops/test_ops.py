@@ -180,7 +180,7 @@ GRADCHECK_FUNCTIONS = {
     sweep(
         GRADCHECK_FUNCTIONS,
         ["softplus", "safe_gate", "gdn", "preactivated", "varlen"],
-        keep=[("chunk", "safe_gate"), ("recurrent", "varlen")],
+        keep=[("chunk", "safe_gate"), ("chunk", "varlen"), ("recurrent", "gdn")],
     ),
 )
 def test_gradcheck_delta_rule(function_name, variant):

@@ -14,7 +14,7 @@ from tests.kda_ops.kernels.devices import DEVICE
 from tests.sweeps import sweep
 
 
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 300]])
+@pytest.mark.parametrize("cu_seqlens", sweep([None, [0, 100, 300]], keep=[([0, 100, 300],)]))
 def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
     """Sequence-heads split over two launches at different value columns (as
     ``scan_launches`` splits them past one wave) give one launch's outputs and states."""
