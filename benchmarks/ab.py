@@ -3,7 +3,7 @@ input; gate, beta sigmoid and l2norm in the kernel; random gate parameters), or 
 ``--forward`` the inference forward, timed from several source trees, each in a process
 of its own, in rounds of alternating order, and every tree's gradients (or outputs)
 compared with the first tree's. Ours only: FLA's time moves by
-several percent between machines (``benchmarks/README.md``), while trees timed one after
+several percent between machines (``docs/benchmarks.md``), while trees timed one after
 another on one GPU compare with each other.
 
 A tree is a directory holding a ``kda_ops`` package (``.``: this checkout; the GPU

@@ -21,7 +21,7 @@ from lowering import onnx_registry as _onnx_registry
 
 _onnx_registry.install()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "causal_conv1d",

@@ -9,6 +9,7 @@ from torch.library import opcheck
 
 import kda_ops
 from tests.kda_ops.inputs import delta_rule_inputs
+from tests.sweeps import sweep
 
 DELTA_RULE_OPS = [torch.ops.kda.chunk.default, torch.ops.kda.recurrent.default]
 DELTA_RULE_IDS = ["chunk", "recurrent"]
@@ -167,14 +168,23 @@ def test_opcheck_conv_update_inplace(with_indices, kept):
     opcheck(torch.ops.kda.causal_conv1d_update_.default, args)
 
 
+GRADCHECK_FUNCTIONS = {
+    "chunk": kda_ops.chunk_kda,
+    "chunk_disable_recompute": functools.partial(kda_ops.chunk_kda, disable_recompute=True),
+    "recurrent": kda_ops.fused_recurrent_kda,
+}
+
+
 @pytest.mark.parametrize(
-    "function",
-    [kda_ops.chunk_kda, functools.partial(kda_ops.chunk_kda, disable_recompute=True),
-     kda_ops.fused_recurrent_kda],
-    ids=["chunk", "chunk_disable_recompute", "recurrent"],
-)  # fmt: skip
-@pytest.mark.parametrize("variant", ["softplus", "safe_gate", "gdn", "preactivated", "varlen"])
-def test_gradcheck_delta_rule(function, variant):
+    ("function_name", "variant"),
+    sweep(
+        GRADCHECK_FUNCTIONS,
+        ["softplus", "safe_gate", "gdn", "preactivated", "varlen"],
+        keep=[("chunk", "safe_gate"), ("chunk", "varlen"), ("recurrent", "gdn")],
+    ),
+)
+def test_gradcheck_delta_rule(function_name, variant):
+    function = GRADCHECK_FUNCTIONS[function_name]
     gate = variant != "preactivated"
     varlen = variant == "varlen"
     x = delta_rule_inputs(

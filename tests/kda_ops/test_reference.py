@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import kda_ops
 from kda_ops import reference
 from tests.kda_ops.inputs import delta_rule_inputs
+from tests.sweeps import sweep
 
 
 def seed_delta_scan(keys, values, beta, state=None):
@@ -110,10 +111,18 @@ def test_seed_kcp_affine_composition():
 LENGTHS = [1, 2, 15, 16, 63, 64, 65, 130, 300]
 
 
-@pytest.mark.parametrize("length", LENGTHS)
+VARIANTS = ["kda", "kda_softplus_gate", "kda_safe_gate", "gdn", "gdn_gate", "gva", "no_state"]
+
+
+# By default: every variant at 130 tokens (two whole chunks and a partial one), and KDA at
+# every length (chunk boundaries); the rest of the grid is exhaustive.
 @pytest.mark.parametrize(
-    "variant",
-    ["kda", "kda_softplus_gate", "kda_safe_gate", "gdn", "gdn_gate", "gva", "no_state"],
+    ("length", "variant"),
+    sweep(
+        LENGTHS,
+        VARIANTS,
+        keep=[*((130, v) for v in VARIANTS), *((n, "kda") for n in LENGTHS if n != 130)],
+    ),
 )
 def test_chunk_equals_recurrent(length, variant):
     scalar_gate = variant.startswith("gdn")

@@ -171,10 +171,10 @@ def test_without_initial_state():
 @pytest.mark.parametrize(
     ("variant", "cu_seqlens", "shape"),
     [
-        ("safe_gate", None, dict(batch=2, length=130)),
+        pytest.param("safe_gate", None, dict(batch=2, length=130), marks=pytest.mark.exhaustive),
         # A 1-token sequence, partial last chunks, and one unused row of the upper bound.
         ("safe_gate", [0, 1, 65, 150], dict(length=150, n_seqs=3)),
-        ("gdn", [0, 64, 100], dict(length=100, n_seqs=2)),
+        pytest.param("gdn", [0, 64, 100], dict(length=100, n_seqs=2), marks=pytest.mark.exhaustive),
     ],
     ids=["fixed", "varlen", "gdn_varlen"],
 )

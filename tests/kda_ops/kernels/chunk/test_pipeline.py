@@ -17,6 +17,7 @@ from kda_ops.kernels.chunk.planning import (
 from kda_ops.kernels.launches import KernelLaunch
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
+from tests.sweeps import sweep
 
 VARIANTS = {
     # name: (in-kernel gate, lower bound, scalar gate)
@@ -43,9 +44,10 @@ def arguments(variant, cu_seqlens, initial_state=True, **shape):
     return grouped(*tensors, cu_seqlens, 0.3, lower_bound, True, True)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("window_steps", [3, 8])
+@pytest.mark.parametrize(
+    ("variant", "case", "window_steps"),
+    sweep(VARIANTS, CASES, [3, 8], keep=[("softplus_gate", "varlen", 3), ("gdn", "fixed", 8)]),
+)
 def test_windows_give_the_one_pass_results(variant, case, window_steps):
     """Outputs, final state and chunk states of windows of 48 and 128 tokens equal the
     one pass's bit for bit: every chunk is prepared alike, and each window's recurrence

@@ -11,9 +11,10 @@ from kda_ops.kernels.chunk.backward.launch import launch_chunk_kda_training
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
+from tests.sweeps import sweep
 
 
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 300]])
+@pytest.mark.parametrize("cu_seqlens", sweep([None, [0, 100, 300]], keep=[([0, 100, 300],)]))
 def test_recurrence_split_across_launches(monkeypatch, cu_seqlens):
     """Sequence-heads split over two launches at different value columns (as
     ``scan_launches`` splits them past one wave) give one launch's outputs and states."""
@@ -73,7 +74,7 @@ SPLIT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("case", sweep(SPLIT_CASES, keep=[("whole_steps",), ("windows",)]))
 def test_unmasked_full_steps_give_the_masked_loop_results(monkeypatch, case):
     """The recurrence's full steps in a loop without row masks, then the partial last step
     (what 16-bit inputs compile to in the inference forward, ``unmasked_full_steps``),

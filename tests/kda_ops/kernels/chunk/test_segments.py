@@ -8,10 +8,12 @@ from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from kda_ops.kernels.chunk.segments import segment_count
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE
+from tests.sweeps import sweep
 
 
-@pytest.mark.parametrize("segments", [2, 4])
-@pytest.mark.parametrize("initial_state", [True, False])
+@pytest.mark.parametrize(
+    ("segments", "initial_state"), sweep([2, 4], [True, False], keep=[(4, True)])
+)
 def test_segmented_recurrence(segments, initial_state):
     """The recurrence run in segments (each segment's map, composed, then rerun from its
     exact incoming state) gives the outputs, final and chunk states of one scan."""

@@ -14,6 +14,7 @@ from kda_ops.kernels.chunk.backward.saved import ROWS
 from kda_ops.kernels.chunk.launch import launch_chunk_kda
 from tests.kda_ops.inputs import delta_rule_inputs, grouped
 from tests.kda_ops.kernels.devices import DEVICE, DTYPES, relative_error
+from tests.sweeps import sweep
 
 VARIANTS = {
     # name: (in-kernel gate, lower bound, scalar gate)
@@ -92,9 +93,9 @@ def assert_matches_float64(got, primals, cu_seqlens, config, grad_o, grad_state,
 @pytest.mark.parametrize(
     ("variant", "shape"),
     [
-        ("safe_gate", dict(batch=2, length=130)),
+        pytest.param("safe_gate", dict(batch=2, length=130), marks=pytest.mark.exhaustive),
         ("softplus_gate", dict(length=70)),
-        ("pregated", dict(length=70)),
+        pytest.param("pregated", dict(length=70), marks=pytest.mark.exhaustive),
         ("gdn", dict(length=70)),
     ],
     ids=lambda p: p if isinstance(p, str) else f"T{p['length']}",
@@ -104,7 +105,7 @@ def test_variants(variant, shape, dtype):
     check_gradients(variant, dtype, head_k=16, head_v=16, **shape)
 
 
-@pytest.mark.parametrize("variant", ["safe_gate", "pregated"])
+@pytest.mark.parametrize("variant", sweep(["safe_gate", "pregated"], keep=[("pregated",)]))
 def test_ungrouped_heads(variant):
     """HV == H: the kernel finishes dq and dk itself (l2norm backward included)."""
     check_gradients(variant, value_heads=1, batch=2, length=70, head_k=16, head_v=16)
@@ -115,7 +116,7 @@ def test_several_groups():
     check_gradients("gdn", heads=2, value_heads=4, length=20, head_k=16, head_v=16)
 
 
-@pytest.mark.parametrize("length", [1, 20])
+@pytest.mark.parametrize("length", sweep([1, 20], keep=[(1,)]))
 def test_short_without_initial_state(length):
     check_gradients("gdn", initial_state=False, length=length, head_k=16, head_v=16)
     check_gradients("safe_gate", initial_state=False, length=length, head_k=16, head_v=16)
@@ -163,7 +164,7 @@ def test_large_decays_inside_a_block(variant):
     check_gradients(variant, gate_shift=shift, length=70, head_k=16, head_v=16)
 
 
-@pytest.mark.parametrize("variant", ["softplus_gate", "pregated"])
+@pytest.mark.parametrize("variant", sweep(["softplus_gate", "pregated"], keep=[("pregated",)]))
 def test_dense_and_dyadic_chunks_in_one_call(variant):
     """Without the safe gate the pairs kernel runs twice: the chunks whose blocks decay
     within e^75 take the dense diagonal blocks, the ones the prepare kernel flags the
@@ -173,8 +174,10 @@ def test_dense_and_dyadic_chunks_in_one_call(variant):
     check_gradients(variant, gate_shift=shift, length=150, head_k=16, head_v=16)
 
 
-@pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "gdn"])
-@pytest.mark.parametrize("head_v", [16, 24], ids=["K=V", "K!=V"])
+@pytest.mark.parametrize(
+    ("variant", "head_v"),
+    sweep(["safe_gate", "softplus_gate", "gdn"], [16, 24], keep=[("softplus_gate", 16)]),
+)
 def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
     """``launch_chunk_kda_training`` gives ``launch_chunk_kda``'s o and final state, and the
     backward from what it keeps equals the backward that prepares for itself (same
@@ -212,8 +215,14 @@ def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows):
         assert (got.shape, got.dtype) == (like.shape, like.dtype)
 
 
-@pytest.mark.parametrize("variant", ["safe_gate", "softplus_gate", "pregated", "gdn"])
-@pytest.mark.parametrize("head_v", [16, 24, 80], ids=["K=V", "K!=V", "V-over-column-blocks"])
+@pytest.mark.parametrize(
+    ("variant", "head_v"),
+    sweep(
+        ["safe_gate", "softplus_gate", "pregated", "gdn"],
+        [16, 24, 80],  # K == V, K != V, V over several column blocks
+        keep=[("safe_gate", 80), ("gdn", 24)],
+    ),
+)
 def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
     """Kept without G, w, u, qg, kd, the backward rebuilds them from the inputs and T (G by
     one 64-row cumsum, ``w = T β K̂Γ``, ``u = T β V`` as whole products). G is summed in

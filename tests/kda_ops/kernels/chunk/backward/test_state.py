@@ -7,9 +7,10 @@ from kda_ops.kernels.chunk import planning
 from kda_ops.kernels.chunk.backward.launch import launch_chunk_kda_backward
 from tests.kda_ops.inputs import grouped
 from tests.kda_ops.kernels.chunk.backward.test_launch import kernel_inputs
+from tests.sweeps import sweep
 
 
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 300]])
+@pytest.mark.parametrize("cu_seqlens", sweep([None, [0, 100, 300]], keep=[([0, 100, 300],)]))
 def test_state_scan_split_across_launches(monkeypatch, cu_seqlens):
     """Sequence-heads split over two launches at different value columns (as
     ``scan_launches`` splits them past one wave) give one launch's gradients."""
