@@ -13,7 +13,9 @@ Why 16 in the forward: a 16-token chunk needs no coupling between row blocks, so
 prepare program holds one block and takes about half the registers of the 64-token one
 (four programs an SM) and about half its time; the recurrence's four times as many steps
 cost less than that saves (``benchmarks/results/forward_chunk16.json``; design notes in
-``benchmarks/README.md``).
+``docs/design.md``). Long scans with few sequence-heads may take 64-token chunks instead
+(``launch_chunk_kda``'s ``chunk``, chosen by ``planning.forward_chunk``): four times fewer
+serial recurrence steps.
 
 ``launch.py`` launches the two (``launch_chunk_kda``), one after the other or, for long
 sequences, in time windows that overlap one window's recurrence with the next one's

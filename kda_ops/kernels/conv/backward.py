@@ -168,7 +168,7 @@ def conv_grad_state_kernel(
 
 
 # Token rows of a program's tile (4 warps, 128 channels): 64, at which the dz / dx kernels
-# run faster than at 32 (timings in benchmarks/README.md).
+# run faster than at 32 (docs/design.md).
 BACKWARD_ROWS = 64
 
 

@@ -126,7 +126,7 @@ def conv_final_state_kernel(
 
 
 # Token rows of a program's tile (4 warps, 128 channels): 32, where 64 rows take more
-# registers and are slower (8 warps slower still; timings in benchmarks/README.md).
+# registers and are slower (8 warps slower still; docs/design.md).
 PREFILL_ROWS = 32
 
 

@@ -35,7 +35,7 @@ def launch_chunk_kda_training(
     prepare step is the backward's kernel 1, whose outputs are returned for
     ``launch_chunk_kda_backward(..., saved=)`` (``SavedForBackward``; without the rows
     unless ``keep_rows``): about 0.55 GB without the rows, 1.4 GB with them, at B = 1,
-    T = 8192, H = 64, bf16 (step times against FLA's in ``benchmarks/README.md``)."""
+    T = 8192, H = 64, bf16 (step times against FLA's in ``docs/benchmarks.md``)."""
     inputs = inputs.map_tokens(Tensor.contiguous)
     q, v = inputs.q, inputs.v
     layout = plan_layout(inputs, cu_seqlens, options)
