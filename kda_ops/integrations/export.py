@@ -22,7 +22,9 @@ states, or an eager call).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from os import PathLike
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -301,13 +303,11 @@ def export_flat_state_step(
 
 
 def package_flat_state_steps(
-    model: torch.nn.Module, directory: str, max_length: int
+    model: torch.nn.Module, directory: Union[str, PathLike], max_length: int
 ) -> dict[str, str]:
     """AOTInductor packages ``directory/prefill.pt2`` and ``decode.pt2`` of the model's
     :class:`FlatStateStep` steps (``lowering.aoti.package``), the runner's metadata in each:
     the state specs (``float32 8 4`` lines), ``max_length``. Returns the paths by step."""
-    from pathlib import Path
-
     from lowering import aoti
 
     folder = Path(directory)
