@@ -5,7 +5,9 @@
 //   kda_aoti_runner PACKAGE_DIR STEPS IDS [IDS ...]
 //
 // PACKAGE_DIR holds prefill.pt2 and decode.pt2; each IDS is one prompt's comma-separated
-// token ids (all prompts of one length). Output, one line each:
+// token ids (all prompts of one length). The packages come from lowering.aoti.package_steps
+// (the example model) or kda_ops.integrations.export.package_flat_state_steps (transformers
+// models); both take (input_ids, *states) and return (logits, *states). Output, one line each:
 //   logits STEP SEQ v0 v1 ...   (the last position's logits; step 0 is the prefill)
 //   tokens STEP t0 t1 ...       (the greedy next token of each sequence)
 //   time STEP MICROSECONDS      (the package call, to its outputs on the device)
@@ -28,6 +30,9 @@ namespace {
 // Metadata keys written by lowering/aoti.py's package_steps.
 constexpr const char* kStateSpecs = "kda.state_specs";
 constexpr const char* kDevice = "kda.device";
+// Written by kda_ops.integrations.export.package_flat_state_steps: the KV buffers' length,
+// which the prompt and the generated tokens must fit (a compiled step cannot check it).
+constexpr const char* kMaxLength = "kda.max_length";
 
 at::ScalarType parse_dtype(const std::string& name) {
   if (name == "float32") return at::kFloat;
@@ -116,6 +121,11 @@ int main(int argc, char** argv) {
     const auto device_entry = metadata.find(kDevice);
     const at::Device device(device_entry == metadata.end() ? "cpu" : device_entry->second);
     at::Tensor ids = parse_prompts(argv + 3, argv + argc).to(device);
+    const auto max_length = metadata.find(kMaxLength);
+    if (max_length != metadata.end() && ids.size(1) + steps > std::stoll(max_length->second)) {
+      throw std::invalid_argument("prompt length + STEPS exceeds the packages' max_length " +
+                                  max_length->second);
+    }
     std::vector<at::Tensor> states = empty_cache(metadata.at(kStateSpecs), ids.size(0), device);
     for (int step = 0; step <= steps; ++step) {
       auto& package = step == 0 ? prefill : decode;

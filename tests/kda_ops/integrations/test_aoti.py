@@ -1,9 +1,15 @@
 """CPU AOTInductor packages of transformers models' prefill and decode steps (with
 ``enable()`` on, states as explicit I/O): a left-padded prefill and 8 greedy decode steps
-through the packages give eager's logits and tokens. Each package compiles in about a
-minute on 2 CPU cores, so two models only, with two layers each."""
+through the packages give eager's logits and tokens, loaded here and, as fixed-shape
+flat-state steps, in the C++ runner of ``examples/aoti_runner/`` (no Python in its process).
+Each package compiles in tens of seconds on 2 CPU cores, so two models only, with two
+layers each."""
 
 from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -11,7 +17,8 @@ import torch
 pytest.importorskip("transformers")
 
 import kda_ops.integrations as integrations
-from kda_ops.integrations.export import DecodeStep, PrefillStep
+from examples.export_aoti import runner_steps
+from kda_ops.integrations.export import DecodeStep, PrefillStep, package_flat_state_steps
 from lowering import aoti
 from tests.kda_ops.integrations.models import BUILDERS, VOCAB
 
@@ -83,3 +90,63 @@ def test_cpu_packages_of_prefill_and_decode_equal_eager(name, tmp_path):
         integrations.disable()
     torch.testing.assert_close(actual, expected)
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+MAX_LENGTH = 32
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> pathlib.Path:
+    """The C++ runner of examples/aoti_runner, built against this torch's libtorch."""
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("the C++ runner needs cmake and a C++ compiler")
+    build = tmp_path_factory.mktemp("aoti_runner")
+    configure = ["cmake", "-S", str(ROOT / "examples" / "aoti_runner"), "-B", str(build),
+                 "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]  # fmt: skip
+    configured = subprocess.run(configure, capture_output=True, text=True)
+    if configured.returncode and torch.version.cuda and "find the CUDA" in configured.stderr:
+        pytest.skip("libtorch of a CUDA build of torch configures only with the CUDA toolkit")
+    assert configured.returncode == 0, configured.stderr
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return build / "kda_aoti_runner"
+
+
+def _eager_greedy(net, prompt):
+    """The model's own greedy run with a DynamicCache: per step the last logits, tokens."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=net.config)
+    logits = net(prompt, cache=cache, use_cache=True).logits[:, -1]
+    steps = [(logits, logits.argmax(-1))]
+    for _ in range(DECODE_STEPS):
+        logits = net(steps[-1][1][:, None], cache=cache, use_cache=True).logits[:, -1]
+        steps.append((logits, logits.argmax(-1)))
+    return steps
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+@torch.no_grad()
+def test_cpp_runner_gives_eager_tokens_for_prefill_and_decode(name, runner, tmp_path):
+    """The flat-state packages (fixed-size KV buffers) run by the C++ runner: a prefill of
+    2 prompts and 8 greedy decode steps, eager's logits and tokens; the runner refuses a
+    run longer than the buffers."""
+    net = BUILDERS[name](**SIZES[name])
+    integrations.enable([name])
+    try:
+        package_flat_state_steps(net, tmp_path, MAX_LENGTH)
+        prompt = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+        expected = _eager_greedy(net, prompt)
+    finally:
+        integrations.disable()
+    actual = runner_steps(runner, tmp_path, prompt, DECODE_STEPS)
+    assert len(actual) == len(expected) == DECODE_STEPS + 1
+    for (logits, tokens), (want_logits, want_tokens) in zip(actual, expected):
+        torch.testing.assert_close(logits, want_logits)
+        assert torch.equal(tokens, want_tokens)
+    libraries = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
+    assert "libpython" not in libraries
+    too_long = [str(runner), str(tmp_path), str(MAX_LENGTH - 10), "3," * 10 + "3"]
+    refused = subprocess.run(too_long, capture_output=True, text=True)
+    assert refused.returncode == 1 and "max_length 32" in refused.stderr, refused.stderr
