@@ -56,20 +56,22 @@ Value = kda_onnx.Value
 
 
 @script()
-def chunk_scan(state: FLOAT, transition: FLOAT, written: FLOAT) -> tuple[FLOAT, FLOAT]:
-    """The serial part: ``S ← M_c S + E_c`` per chunk. state ``[B, HV, K, V]``;
-    transition M ``[B, HV, NC, K, K]``, written E ``[B, HV, NC, K, V]``. Returns (final
-    state, the state at each chunk's start ``[B, HV, NC, K, V]``)."""
+def chunk_scan(
+    state: FLOAT, w: FLOAT, u: FLOAT, keys_t: FLOAT, decay: FLOAT
+) -> tuple[FLOAT, FLOAT, FLOAT]:
+    """The serial part, per chunk: ``U' = U_c - W_c S``, ``S ← Γ_c ⊙ S + K̃_cᵀ U'``.
+    state ``[B, HV, K, V]``; scanned over their first axis (NC): w ``[NC, B, HV, C, K]``,
+    u ``[NC, B, HV, C, V]``, ``keys_t`` K̃ᵀ ``[NC, B, HV, K, C]``, decay Γ_c (the chunk's
+    total decay) ``[NC, B, HV, Kg, 1]``. Returns (final state, the state at each chunk's
+    start ``[NC, B, HV, K, V]``, ``U'`` ``[NC, B, HV, C, V]``)."""
 
     @graph()
-    def step(s: FLOAT[...], m_c: FLOAT[...], e_c: FLOAT[...]):
-        return op.MatMul(m_c, s) + e_c, op.Identity(s)
+    def step(s: FLOAT[...], w_c: FLOAT[...], u_c: FLOAT[...], k_c: FLOAT[...], d_c: FLOAT[...]):
+        new_values = u_c - op.MatMul(w_c, s)
+        return d_c * s + op.MatMul(k_c, new_values), op.Identity(s), new_values
 
-    final, starts = op.Scan(
-        state, transition, written, body=step, num_scan_inputs=2, scan_input_axes=[2, 2],
-        scan_output_axes=[2],
-    )  # fmt: skip
-    return final, starts
+    final, starts, new_values = op.Scan(state, w, u, keys_t, decay, body=step, num_scan_inputs=4)
+    return final, starts, new_values
 
 
 def _const(array: np.ndarray) -> Value:
@@ -111,7 +113,7 @@ def _by_chunks(x: Value, padding: Value, heads: int, trailing: list[int]) -> Val
     )  # fmt: skip
     padded = op.Pad(x, pads)
     shaped = op.Reshape(padded, op.Constant(value_ints=[0, -1, CHUNK, heads, *trailing]))
-    perm = [0, 3, 1, 2, *range(4, rank + 1)]
+    perm = [1, 0, 3, 2, *range(4, rank + 1)]
     return op.Transpose(shaped, perm=perm)
 
 
@@ -189,6 +191,48 @@ def _pairwise_decayed(
     return aqk, akk
 
 
+def _blockwise_decayed(
+    q: Value, k: Value, beta_k: Value, cum: Value, head_k: int
+) -> tuple[Value, Value]:
+    """``(Aqk, β Akk)`` masked (causal, and strictly causal for ``Akk``), ``[B, HV, NC,
+    C, C]``, for a log-decay bounded below by :data:`FACTORED_BLOCK_LOWER_BOUND`: one
+    product for every pair of the chunk's 16-token blocks at once. q, k, ``beta_k`` (β ⊙
+    k), cum ``[B, HV, NC, C, K]``.
+
+    Row block b is factored at its first token ``r_b``, column block c at its last token
+    ``e_c``: ``exp(G_i - G_j) = exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``.
+    For c < b all three factors are at most 1, so a factor that underflows stands for a
+    product that does too; for c = b the middle one is at most ``exp(-(BLOCK - 1) *
+    bound)`` = ``exp(75)`` and the outer ones at least ``exp(-75)`` (FlashKDA's 16-token
+    rule); for c > b (no causal pair) the middle factor is ``exp(-inf) = 0``. The middle
+    factor scales the keys, ``[.., b, C, K]`` (four times the keys' size), and one batched
+    product gives every row block's row of the matrix."""
+    blocks = CHUNK // BLOCK
+    by_block = op.Constant(value_ints=[0, 0, 0, blocks, BLOCK, head_k])
+    cum_b = op.Reshape(cum, by_block)  # [.., NB, L, K]
+    first = op.Slice(cum_b, [0], [1], [4])  # [.., NB, 1, K]
+    last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [4])
+    rows = op.Concat(op.Unsqueeze(q, [3]), op.Unsqueeze(beta_k, [3]), axis=3)  # [.., 2, C, K]
+    rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 0, 2, blocks, BLOCK, head_k]))
+    rows_b = rows_b * op.Unsqueeze(op.Exp(cum_b - first), [3])  # <= 1
+    keys_b = op.Reshape(k, by_block) * op.Exp(last - cum_b)  # [.., NB, L, K], <= 1
+    # [.., NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
+    above = np.triu(np.full((blocks, blocks), -np.inf, dtype=np.float32), 1)
+    middle = op.Exp(
+        op.Unsqueeze(first, [4]) - op.Unsqueeze(last, [3]) + _const(above[:, :, None, None])
+    )
+    keys = op.Reshape(
+        middle * op.Unsqueeze(keys_b, [3]),
+        op.Constant(value_ints=[0, 0, 0, 1, blocks, CHUNK, head_k]),
+    )  # [.., 1, NB(b), C, K]
+    products = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 3, 4, 6, 5]))
+    causal = np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32))
+    masks = np.stack([causal, np.tril(causal, -1)])  # Aqk keeps the diagonal, Akk not
+    both = op.Reshape(products, op.Constant(value_ints=[0, 0, 0, 2, CHUNK, CHUNK])) * _const(masks)
+    aqk, lower = op.Split(both, num_outputs=2, axis=3)
+    return op.Squeeze(aqk, [3]), op.Squeeze(lower, [3])
+
+
 def chunked_delta_rule(
     q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
@@ -220,6 +264,7 @@ def chunked_delta_rule(
     cum = op.CumSum(g_c, op.Constant(value_int=3))
     last = op.Slice(cum, [CHUNK - 1], [CHUNK], [3])  # [B, HV, NC, 1, Kg]
     strict = _const(np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32), -1))
+    lower = None
     if per_head:
         # [.., C, C]: exp(G_i - G_j) over causal pairs (0 elsewhere: no overflow).
         pair = cum - op.Transpose(cum, perm=[0, 1, 2, 4, 3])
@@ -228,26 +273,31 @@ def chunked_delta_rule(
         # One product for both: a Transpose feeding two MatMuls runs on its own.
         both = op.MatMul(op.Concat(q_c, k_c, axis=3), _transposed(k_c))  # [.., 2C, C]
         aqk, akk = (op.Slice(both, [start], [start + CHUNK], [3]) * decays for start in (0, CHUNK))
+    elif (
+        A_log is not None
+        and lower_bound is not None
+        and (lower_bound >= FACTORED_BLOCK_LOWER_BOUND)
+    ):
+        aqk, lower = _blockwise_decayed(q_c, k_c, beta_c * k_c, cum, head_k)
     else:
-        factored = lower_bound is not None and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
-        leaf = BLOCK if A_log is not None and factored else 1
-        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k, leaf)
-    lower = beta_c * akk * strict
+        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k)
+    if lower is None:
+        lower = beta_c * akk * strict
     inverse = _unit_lower_inverse(lower, CHUNK)
     gamma = op.Exp(cum)
     u_base = op.MatMul(inverse, beta_c * v_c)  # [B, HV, NC, C, V]
     w = op.MatMul(inverse, beta_c * k_c * gamma)  # [B, HV, NC, C, K]
-    # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S) = M S + E, with M and E
-    # formed for all chunks at once; the serial Scan is one product per chunk.
-    kd = k_c * op.Exp(last - cum)
-    eye = _const(np.eye(head_k, dtype=np.float32))
-    decay_rows = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
-    kd_t = _transposed(kd)
-    transition = eye * decay_rows - op.MatMul(kd_t, w)
-    final, starts = chunk_scan(state, transition, op.MatMul(kd_t, u_base))
-    # O = (Q ⊙ Γ) S + Aqk (U - W S) = Aqk U + (Q ⊙ Γ - Aqk W) S, for all chunks at once.
-    o = op.MatMul(aqk, u_base) + op.MatMul(q_c * gamma - op.MatMul(aqk, w), starts)
-    o = op.Reshape(op.Transpose(o, perm=[0, 2, 3, 1, 4]),
+    # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S): in the Scan, two products
+    # per chunk (forming M = diag(Γ_C) - K̃ᵀ W and E = K̃ᵀ U for all chunks would take
+    # two more, of the same size, outside it).
+    keys_t = _transposed(k_c * op.Exp(last - cum))
+    decay = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
+    final, starts, new_values = chunk_scan(state, w, u_base, keys_t, decay)
+    # O = (Q ⊙ Γ) S + Aqk (U - W S), for all chunks at once.
+    o = op.MatMul(q_c * gamma, starts) + op.MatMul(aqk, new_values)
+    o = op.Reshape(op.Transpose(o, perm=[1, 0, 3, 2, 4]),
                    op.Constant(value_ints=[0, -1, value_heads, head_v]))  # fmt: skip
     o = op.Slice(o, op.Constant(value_ints=[0]), length, op.Constant(value_ints=[1]))
+    if v.dtype == onnx.TensorProto.FLOAT:  # a Cast to its own type still copies
+        return o, final
     return op.Cast(o, to=v.dtype), final
