@@ -66,20 +66,22 @@ Value = kda_onnx.Value
 
 @script()
 def chunk_scan(
-    state: FLOAT, w: FLOAT, u: FLOAT, keys_t: FLOAT, decay: FLOAT
+    state: FLOAT, w: FLOAT, u: FLOAT, keys: FLOAT, decay: FLOAT
 ) -> tuple[FLOAT, FLOAT, FLOAT]:
     """The serial part, per chunk: ``U' = U_c - W_c S``, ``S ← Γ_c ⊙ S + K̃_cᵀ U'``.
     state ``[B, HV, K, V]``; scanned over their first axis (NC): w ``[NC, B, HV, C, K]``,
-    u ``[NC, B, HV, C, V]``, ``keys_t`` K̃ᵀ ``[NC, B, HV, K, C]``, decay Γ_c (the chunk's
+    u ``[NC, B, HV, C, V]``, keys K̃ ``[NC, B, HV, C, K]``, decay Γ_c (the chunk's
     total decay) ``[NC, B, HV, Kg, 1]``. Returns (final state, the state at each chunk's
     start ``[NC, B, HV, K, V]``, ``U'`` ``[NC, B, HV, C, V]``)."""
 
     @graph()
     def step(s: FLOAT[...], w_c: FLOAT[...], u_c: FLOAT[...], k_c: FLOAT[...], d_c: FLOAT[...]):
         new_values = u_c - op.MatMul(w_c, s)
-        return d_c * s + op.MatMul(k_c, new_values), op.Identity(s), new_values
+        # K̃ᵀ through a Transpose that onnxruntime folds into the product (transA).
+        update = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new_values)
+        return d_c * s + update, op.Identity(s), new_values
 
-    final, starts, new_values = op.Scan(state, w, u, keys_t, decay, body=step, num_scan_inputs=4)
+    final, starts, new_values = op.Scan(state, w, u, keys, decay, body=step, num_scan_inputs=4)
     return final, starts, new_values
 
 
@@ -285,9 +287,9 @@ def chunked_delta_rule(
     # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S): in the Scan, two products
     # per chunk (forming M = diag(Γ_C) - K̃ᵀ W and E = K̃ᵀ U for all chunks would take
     # two more, of the same size, outside it).
-    keys_t = _transposed(k_c * op.Exp(last - cum))
+    keys = k_c * op.Exp(last - cum)
     decay = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
-    final, starts, new_values = chunk_scan(state, w, u_base, keys_t, decay)
+    final, starts, new_values = chunk_scan(state, w, u_base, keys, decay)
     # O = (Q ⊙ Γ) S + Aqk (U - W S), for all chunks at once.
     o = op.MatMul(q_c * gamma, starts) + op.MatMul(aqk, new_values)
     o = op.Reshape(op.Transpose(o, perm=[1, 0, 3, 2, 4]),
