@@ -26,8 +26,8 @@ exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``. Off the diagonal (
 three factors are at most 1, so one that underflows stands for a product that does; on
 it (c = b) the bound keeps the middle factor within ``exp(75)`` and the outer ones above
 ``exp(-75)``, inside float32 (FlashKDA's 16-token rule). The middle factor scales the
-keys (``[.., b, C, K]``, four times their size) and one batched product per row block
-gives both ``Aqk`` and ``diag(β) Akk``. Without a bound, for any log-decay ``g <= 0``
+keys (``[.., b, C, K]``, four times their size), and one batched product gives ``Aqk``,
+another ``diag(β) Akk``. Without a bound, for any log-decay ``g <= 0``
 (what both gate forms produce), by recursive halving of the chunk: a block's causal pairs
 are those within each half (recursion) and those from its second half to its first,
 whose factor splits at ``r``, the last token of the first half: ``exp(G_i - G_j) =
@@ -188,8 +188,8 @@ def _blockwise_decayed(
     q: Value, k: Value, beta_k: Value, cum: Value, head_k: int
 ) -> tuple[Value, Value]:
     """``(Aqk, β Akk)`` masked (causal, and strictly causal for ``Akk``), ``[NC, B, HV,
-    C, C]``, for a log-decay bounded below by :data:`FACTORED_BLOCK_LOWER_BOUND`: one
-    product for every pair of the chunk's 16-token blocks at once. q, k, ``beta_k`` (β ⊙
+    C, C]``, for a log-decay bounded below by :data:`FACTORED_BLOCK_LOWER_BOUND`: every
+    pair of the chunk's 16-token blocks at once. q, k, ``beta_k`` (β ⊙
     k), cum ``[NC, B, HV, C, K]``.
 
     Row block b is factored at its first token ``r_b``, column block c at its last token
@@ -198,16 +198,14 @@ def _blockwise_decayed(
     product that does too; for c = b the middle one is at most ``exp(-(BLOCK - 1) *
     bound)`` = ``exp(75)`` and the outer ones at least ``exp(-75)`` (FlashKDA's 16-token
     rule); for c > b (no causal pair) the middle factor is ``exp(-inf) = 0``. The middle
-    factor scales the keys, ``[.., b, C, K]`` (four times the keys' size), and one batched
-    product gives every row block's row of the matrix."""
+    factor scales the keys, ``[.., b, C, K]`` (four times the keys' size); one batched
+    product of q's rows with them gives ``Aqk``, one of β ⊙ k's rows ``β Akk``."""
     blocks = CHUNK // BLOCK
     by_block = op.Constant(value_ints=[0, 0, 0, blocks, BLOCK, head_k])
     cum_b = op.Reshape(cum, by_block)  # [.., NB, L, K]
     first = op.Slice(cum_b, [0], [1], [4])  # [.., NB, 1, K]
     last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [4])
-    rows = op.Concat(op.Unsqueeze(q, [3]), op.Unsqueeze(beta_k, [3]), axis=3)  # [.., 2, C, K]
-    rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 0, 2, blocks, BLOCK, head_k]))
-    rows_b = rows_b * op.Unsqueeze(op.Exp(cum_b - first), [3])  # <= 1
+    to_first = op.Exp(cum_b - first)  # <= 1
     keys_b = op.Reshape(k, by_block) * op.Exp(last - cum_b)  # [.., NB, L, K], <= 1
     # [.., NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
     above = np.triu(np.full((blocks, blocks), -np.inf, dtype=np.float32), 1)
@@ -215,15 +213,17 @@ def _blockwise_decayed(
         op.Unsqueeze(first, [4]) - op.Unsqueeze(last, [3]) + _const(above[:, :, None, None])
     )
     keys = op.Reshape(
-        middle * op.Unsqueeze(keys_b, [3]),
-        op.Constant(value_ints=[0, 0, 0, 1, blocks, CHUNK, head_k]),
-    )  # [.., 1, NB(b), C, K]
-    products = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 3, 4, 6, 5]))
+        middle * op.Unsqueeze(keys_b, [3]), op.Constant(value_ints=[0, 0, 0, blocks, CHUNK, head_k])
+    )  # [.., NB(b), C, K]
     causal = np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32))
-    masks = np.stack([causal, np.tril(causal, -1)])  # Aqk keeps the diagonal, Akk not
-    both = op.Reshape(products, op.Constant(value_ints=[0, 0, 0, 2, CHUNK, CHUNK])) * _const(masks)
-    aqk, lower = op.Split(both, num_outputs=2, axis=3)
-    return op.Squeeze(aqk, [3]), op.Squeeze(lower, [3])
+    square = op.Constant(value_ints=[0, 0, 0, CHUNK, CHUNK])
+    results = []
+    for rows, mask in ((q, causal), (beta_k, np.tril(causal, -1))):  # Akk without diagonal
+        rows_b = op.Reshape(rows, by_block) * to_first
+        # A Transpose of its own for each product, so that onnxruntime folds each in (transB).
+        product = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 3, 5, 4]))
+        results.append(op.Reshape(product, square) * _const(mask))
+    return results[0], results[1]
 
 
 def chunked_delta_rule(
