@@ -169,10 +169,14 @@ def _zeros(batch_of: Value, *dims: int) -> Value:
     return op.Expand(op.Constant(value_float=0.0), shape)
 
 
-def _l2norm(x: Value) -> Value:
-    """``x / sqrt(sum(x²) + 1e-6)`` over the last dim (FLA's eps placement)."""
-    norm = op.Sqrt(op.ReduceSum(x * x, [-1], keepdims=1) + op.Constant(value_float=L2NORM_EPS))
-    return x / norm
+def _l2norm(x: Value, scale: float = 1.0) -> Value:
+    """``scale · x / sqrt(sum(x²) + 1e-6)`` over the last dim (FLA's eps placement); the
+    scale multiplies the one-per-row norm, not the whole tensor."""
+    squares = op.ReduceSumSquare(x, [-1], keepdims=1)
+    norm = op.Sqrt(squares + op.Constant(value_float=L2NORM_EPS))
+    if scale == 1.0:
+        return x / norm
+    return x * (op.Constant(value_float=scale) / norm)
 
 
 def _softplus(x: Value) -> Value:
@@ -214,8 +218,8 @@ def prepare_delta_rule(
     (``[B, T, HV, 1]`` for Gated DeltaNet), beta ``[B, T, HV]`` and the initial state
     ``[N, HV, K, V]`` (zeros when none is given)."""
     qf, kf, beta_f = _f32(q), _f32(k), _f32(beta)
-    if use_qk_l2norm:
-        qf, kf = _l2norm(qf), _l2norm(kf)
+    if use_qk_l2norm:  # the scale folded into q's norm
+        qf, kf = _l2norm(qf, scale), _l2norm(kf)
     heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     gate_width = 1 if len(g.shape) == 3 else head_k
     if gate_width == 1:  # Gated DeltaNet: one decay per head
@@ -227,7 +231,9 @@ def prepare_delta_rule(
     if use_beta_sigmoid:
         beta_f = op.Sigmoid(beta_f)
     group = value_heads // heads
-    qf = _repeat_heads(qf, heads, group, head_k) * op.Constant(value_float=scale)
+    qf = _repeat_heads(qf, heads, group, head_k)
+    if not use_qk_l2norm:
+        qf = qf * op.Constant(value_float=scale)
     kf = _repeat_heads(kf, heads, group, head_k)
     if cu_seqlens is None:
         batch_of = q

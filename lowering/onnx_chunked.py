@@ -6,27 +6,36 @@ C = 64 tokens with in-chunk cumulative log-decay G:
 
 - ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and ``Akk = tril(diag(β) (K ⊙ Γ)(K / Γ)ᵀ, -1)``: the
   pairwise factors are ``exp(G_i - G_j)`` per channel, never a ratio of decays.
-- ``T = (I + Akk)⁻¹`` (unit lower triangular), ``U = T diag(β) V``, ``W = T diag(β) (K ⊙ Γ)``;
-- across chunks ``S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S) = M S + E``, with M and E
-  formed for every chunk at once, so the serial ``Scan`` is one ``[K, K] × [K, V]``
-  product per chunk; it returns each chunk's starting state S₀, and then, again for every
-  chunk at once, ``O = Aqk U + (Q ⊙ Γ - Aqk W) S₀``.
+- ``T = (I + Akk)⁻¹`` (unit lower triangular), ``U = T diag(β) V``,
+  ``W = T diag(β) (K ⊙ Γ)``;
+- across chunks ``S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S)``: the serial ``Scan``
+  takes two ``[C, K] × [K, V]``-sized products per chunk, ``U' = U - W S`` and the update,
+  and returns each chunk's starting state S₀ and ``U'``; then, for every chunk at once,
+  ``O = (Q ⊙ Γ) S₀ + Aqk U'``. (Forming ``M = diag(Γ_C) - K̃ᵀ W`` and ``E = K̃ᵀ U`` for
+  all chunks, so that the step is one product, costs two products more.)
 
-Everything but the ``Scan`` is batched over (batch, heads, chunks). For T = 2048,
-H = 4, D = 64 the matrix products are ~0.25 G multiply-adds, most of the time on a CPU.
+Everything but the ``Scan`` is batched over (chunks, batch, heads), in that order: the
+``Scan`` slices its inputs along their first axis (onnxruntime transposes a scan input
+whose scan axis is another one). For T = 2048, H = 4, D = 64 the matrix products are
+~0.2 G multiply-adds.
 
-Per-channel decay (KDA) without overflow, for any log-decay ``g <= 0`` (what both gate
-forms produce), by recursive halving of the chunk: a block's causal pairs are those within
-each half (recursion) and those from its second half to its first, whose factor splits
-at ``r``, the last token of the first half: ``exp(G_i - G_j) = exp(G_i - G_r) ·
-exp(G_r - G_j)`` with ``j <= r < i``, both factors at most 1, one matrix product per
-block; a one-token block is ``x_i · k_i``. No ``[C, C, K]`` tensor is formed (the
-reference's ``exp(G_i - G_j)`` over all causal pairs costs 64 times the inputs' size).
-With the safe gate and a lower bound of -5 or above (K3's), the recursion stops at
-16-token blocks, each one product split at its first token: the bound keeps the factors
-within ``exp(±75)``, inside float32 (FlashKDA's 16-token rule). A scalar decay per head
-(Gated DeltaNet) takes the ``[C, C]`` matrix ``exp(G_i - G_j)`` over causal pairs
-directly.
+Per-channel decay (KDA) with the safe gate and a lower bound of -5 or above (K3's): the
+pairwise factors of every pair of 16-token blocks (b, c) at once, row block b factored at
+its first token ``r_b``, column block c at its last token ``e_c``: ``exp(G_i - G_j) =
+exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``. Off the diagonal (c < b) all
+three factors are at most 1, so one that underflows stands for a product that does; on
+it (c = b) the bound keeps the middle factor within ``exp(75)`` and the outer ones above
+``exp(-75)``, inside float32 (FlashKDA's 16-token rule). The middle factor scales the
+keys (``[.., b, C, K]``, four times their size), and one batched product gives ``Aqk``,
+another ``diag(β) Akk``. Without a bound, for any log-decay ``g <= 0``
+(what both gate forms produce), by recursive halving of the chunk: a block's causal pairs
+are those within each half (recursion) and those from its second half to its first,
+whose factor splits at ``r``, the last token of the first half: ``exp(G_i - G_j) =
+exp(G_i - G_r) · exp(G_r - G_j)`` with ``j <= r < i``, both factors at most 1, one matrix
+product per block; a one-token block is ``x_i · k_i``. Neither forms a ``[C, C, K]``
+tensor (the reference's ``exp(G_i - G_j)`` over all causal pairs costs 64 times the
+inputs' size). A scalar decay per head (Gated DeltaNet) takes the ``[C, C]`` matrix
+``exp(G_i - G_j + m)``, m = -inf where the pair is not causal (strictly, for ``Akk``).
 
 The triangular inverse is recursive: ``(I + L)⁻¹`` of a 16×16 block is the nilpotent
 product ``(I - L)(I + L²)(I + L⁴)(I + L⁸)`` (``L¹⁶ = 0``); two halves combine as
@@ -56,20 +65,24 @@ Value = kda_onnx.Value
 
 
 @script()
-def chunk_scan(state: FLOAT, transition: FLOAT, written: FLOAT) -> tuple[FLOAT, FLOAT]:
-    """The serial part: ``S ← M_c S + E_c`` per chunk. state ``[B, HV, K, V]``;
-    transition M ``[B, HV, NC, K, K]``, written E ``[B, HV, NC, K, V]``. Returns (final
-    state, the state at each chunk's start ``[B, HV, NC, K, V]``)."""
+def chunk_scan(
+    state: FLOAT, w: FLOAT, u: FLOAT, keys: FLOAT, decay: FLOAT
+) -> tuple[FLOAT, FLOAT, FLOAT]:
+    """The serial part, per chunk: ``U' = U_c - W_c S``, ``S ← Γ_c ⊙ S + K̃_cᵀ U'``.
+    state ``[B, HV, K, V]``; scanned over their first axis (NC): w ``[NC, B, HV, C, K]``,
+    u ``[NC, B, HV, C, V]``, keys K̃ ``[NC, B, HV, C, K]``, decay Γ_c (the chunk's
+    total decay) ``[NC, B, HV, Kg, 1]``. Returns (final state, the state at each chunk's
+    start ``[NC, B, HV, K, V]``, ``U'`` ``[NC, B, HV, C, V]``)."""
 
     @graph()
-    def step(s: FLOAT[...], m_c: FLOAT[...], e_c: FLOAT[...]):
-        return op.MatMul(m_c, s) + e_c, op.Identity(s)
+    def step(s: FLOAT[...], w_c: FLOAT[...], u_c: FLOAT[...], k_c: FLOAT[...], d_c: FLOAT[...]):
+        new_values = u_c - op.MatMul(w_c, s)
+        # K̃ᵀ through a Transpose that onnxruntime folds into the product (transA).
+        update = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new_values)
+        return d_c * s + update, op.Identity(s), new_values
 
-    final, starts = op.Scan(
-        state, transition, written, body=step, num_scan_inputs=2, scan_input_axes=[2, 2],
-        scan_output_axes=[2],
-    )  # fmt: skip
-    return final, starts
+    final, starts, new_values = op.Scan(state, w, u, keys, decay, body=step, num_scan_inputs=4)
+    return final, starts, new_values
 
 
 def _const(array: np.ndarray) -> Value:
@@ -101,7 +114,7 @@ def _unit_lower_inverse(lower: Value, n: int) -> Value:
 
 
 def _by_chunks(x: Value, padding: Value, heads: int, trailing: list[int]) -> Value:
-    """``[B, T, heads, *trailing]`` -> ``[B, HV, NC, C, *trailing]`` with T zero-padded to
+    """``[B, T, heads, *trailing]`` -> ``[NC, B, HV, C, *trailing]`` with T zero-padded to
     ``NC * C`` (a padding token has k = v = beta = 0 and no decay: it leaves the state as
     it is, and its output is cut)."""
     rank = 3 + len(trailing)
@@ -111,12 +124,12 @@ def _by_chunks(x: Value, padding: Value, heads: int, trailing: list[int]) -> Val
     )  # fmt: skip
     padded = op.Pad(x, pads)
     shaped = op.Reshape(padded, op.Constant(value_ints=[0, -1, CHUNK, heads, *trailing]))
-    perm = [0, 3, 1, 2, *range(4, rank + 1)]
+    perm = [1, 0, 3, 2, *range(4, rank + 1)]
     return op.Transpose(shaped, perm=perm)
 
 
 def _transposed(x: Value) -> Value:
-    """``[B, HV, NC, R, D]`` -> ``[B, HV, NC, D, R]``. Through 3-D: onnxruntime's graph
+    """``[NC, B, HV, R, D]`` -> ``[NC, B, HV, D, R]``. Through 3-D: onnxruntime's graph
     optimizer merges a 5-D Transpose with the chunk layout's into one that moves the
     innermost axis, which it runs about ten times slower."""
     rows, cols = op.Shape(x, start=3, end=4), op.Shape(x, start=4, end=5)
@@ -125,39 +138,21 @@ def _transposed(x: Value) -> Value:
     return op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), op.Concat(batch, cols, rows, axis=0))
 
 
-def _pairwise_decayed(
-    q: Value, k: Value, cum: Value, head_k: int, leaf: int = 1
-) -> tuple[Value, Value]:
-    """``(Aqk, Akk)`` before masking, ``[B, HV, NC, C, C]``: ``sum_c x_i[c] k_j[c]
+def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value]:
+    """``(Aqk, Akk)`` before masking, ``[NC, B, HV, C, C]``: ``sum_c x_i[c] k_j[c]
     exp(G_i[c] - G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere).
-    q, k, cum ``[B, HV, NC, C, K]``.
+    q, k, cum ``[NC, B, HV, C, K]``.
 
     Recursive halving: a block's pairs are those within its two halves (recursion) and
     those from its second half to its first, which split every factor at ``r``, the last
     token of the first half: ``x_i exp(G_i - G_r)`` times ``k_j exp(G_r - G_j)``, each
     factor at most 1 for a log-decay ``g <= 0``, one matrix product per block. A
-    one-token block is the plain product ``x_i · k_i``. With ``leaf`` > 1 the recursion
-    stops at blocks of ``leaf`` tokens, each one product split at its first token
-    (factors up to ``exp(-(leaf - 1) * min g)``: only where the caller knows a bound on
-    the decay, :data:`FACTORED_BLOCK_LOWER_BOUND`)."""
+    one-token block is the plain product ``x_i · k_i``. For any log-decay ``g <= 0``; with
+    a known lower bound :func:`_blockwise_decayed` takes fewer nodes."""
     rows = op.Concat(op.Unsqueeze(q, [3]), op.Unsqueeze(k, [3]), axis=3)  # [.., 2, C, K]
-    if leaf == 1:
-        # [.., 2, C, 1, 1]: the diagonal, exp(0) = 1.
-        blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [3]), [-1], keepdims=0), [-1, -2])
-    else:
-        count = CHUNK // leaf
-        cum_b = op.Reshape(cum, op.Constant(value_ints=[0, 0, 0, count, leaf, head_k]))
-        first = op.Slice(cum_b, [0], [1], [4])  # [.., m, 1, K]
-        rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 0, 2, count, leaf, head_k]))
-        k_b = op.Reshape(k, op.Constant(value_ints=[0, 0, 0, count, leaf, head_k]))
-        to_first = op.Unsqueeze(op.Exp(cum_b - first), [3])  # <= 1
-        from_first = op.Exp(first - cum_b)  # <= exp(-(leaf - 1) * min g)
-        products = op.MatMul(
-            rows_b * to_first,
-            op.Unsqueeze(op.Transpose(k_b * from_first, perm=[0, 1, 2, 3, 5, 4]), [3]),
-        )  # [.., 2, m, leaf, leaf]; j > i is no causal pair: masked
-        blocks = products * _const(np.tril(np.ones((leaf, leaf), dtype=np.float32)))
-    half = leaf
+    # [.., 2, C, 1, 1]: the diagonal, exp(0) = 1.
+    blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [3]), [-1], keepdims=0), [-1, -2])
+    half = 1
     while half < CHUNK:
         count = CHUNK // (2 * half)
         split = op.Constant(value_ints=[0, 0, 0, count, 2, half, head_k])
@@ -189,6 +184,48 @@ def _pairwise_decayed(
     return aqk, akk
 
 
+def _blockwise_decayed(
+    q: Value, k: Value, beta_k: Value, cum: Value, head_k: int
+) -> tuple[Value, Value]:
+    """``(Aqk, β Akk)`` masked (causal, and strictly causal for ``Akk``), ``[NC, B, HV,
+    C, C]``, for a log-decay bounded below by :data:`FACTORED_BLOCK_LOWER_BOUND`: every
+    pair of the chunk's 16-token blocks at once. q, k, ``beta_k`` (β ⊙
+    k), cum ``[NC, B, HV, C, K]``.
+
+    Row block b is factored at its first token ``r_b``, column block c at its last token
+    ``e_c``: ``exp(G_i - G_j) = exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``.
+    For c < b all three factors are at most 1, so a factor that underflows stands for a
+    product that does too; for c = b the middle one is at most ``exp(-(BLOCK - 1) *
+    bound)`` = ``exp(75)`` and the outer ones at least ``exp(-75)`` (FlashKDA's 16-token
+    rule); for c > b (no causal pair) the middle factor is ``exp(-inf) = 0``. The middle
+    factor scales the keys, ``[.., b, C, K]`` (four times the keys' size); one batched
+    product of q's rows with them gives ``Aqk``, one of β ⊙ k's rows ``β Akk``."""
+    blocks = CHUNK // BLOCK
+    by_block = op.Constant(value_ints=[0, 0, 0, blocks, BLOCK, head_k])
+    cum_b = op.Reshape(cum, by_block)  # [.., NB, L, K]
+    first = op.Slice(cum_b, [0], [1], [4])  # [.., NB, 1, K]
+    last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [4])
+    to_first = op.Exp(cum_b - first)  # <= 1
+    keys_b = op.Reshape(k, by_block) * op.Exp(last - cum_b)  # [.., NB, L, K], <= 1
+    # [.., NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
+    above = np.triu(np.full((blocks, blocks), -np.inf, dtype=np.float32), 1)
+    middle = op.Exp(
+        op.Unsqueeze(first, [4]) - op.Unsqueeze(last, [3]) + _const(above[:, :, None, None])
+    )
+    keys = op.Reshape(
+        middle * op.Unsqueeze(keys_b, [3]), op.Constant(value_ints=[0, 0, 0, blocks, CHUNK, head_k])
+    )  # [.., NB(b), C, K]
+    causal = np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32))
+    square = op.Constant(value_ints=[0, 0, 0, CHUNK, CHUNK])
+    results = []
+    for rows, mask in ((q, causal), (beta_k, np.tril(causal, -1))):  # Akk without diagonal
+        rows_b = op.Reshape(rows, by_block) * to_first
+        # A Transpose of its own for each product, so that onnxruntime folds each in (transB).
+        product = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 3, 5, 4]))
+        results.append(op.Reshape(product, square) * _const(mask))
+    return results[0], results[1]
+
+
 def chunked_delta_rule(
     q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
@@ -211,43 +248,53 @@ def chunked_delta_rule(
     length = op.Shape(q, start=1, end=2)
     chunk = op.Constant(value_ints=[CHUNK])
     padding = op.Mod(chunk - op.Mod(length, chunk), chunk)
-    q_c = _by_chunks(qf, padding, value_heads, [head_k])  # [B, HV, NC, C, K]
+    q_c = _by_chunks(qf, padding, value_heads, [head_k])  # [NC, B, HV, C, K]
     k_c = _by_chunks(kf, padding, value_heads, [head_k])
     v_c = _by_chunks(vf, padding, value_heads, [head_v])
     gate_width = 1 if per_head else head_k
     g_c = _by_chunks(log_decay, padding, value_heads, [gate_width])
-    beta_c = op.Unsqueeze(_by_chunks(beta_f, padding, value_heads, []), [-1])  # [B, HV, NC, C, 1]
+    beta_c = op.Unsqueeze(_by_chunks(beta_f, padding, value_heads, []), [-1])  # [NC, B, HV, C, 1]
     cum = op.CumSum(g_c, op.Constant(value_int=3))
-    last = op.Slice(cum, [CHUNK - 1], [CHUNK], [3])  # [B, HV, NC, 1, Kg]
+    last = op.Slice(cum, [CHUNK - 1], [CHUNK], [3])  # [NC, B, HV, 1, Kg]
     strict = _const(np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32), -1))
+    lower = None
+    beta_k = beta_c * k_c
     if per_head:
-        # [.., C, C]: exp(G_i - G_j) over causal pairs (0 elsewhere: no overflow).
-        pair = cum - op.Transpose(cum, perm=[0, 1, 2, 4, 3])
-        causal = _const(np.tril(np.ones((CHUNK, CHUNK), dtype=bool)))
-        decays = op.Exp(op.Where(causal, pair, op.Constant(value_float=-np.inf)))
+        # [.., 2, C, C]: exp(G_i - G_j) over causal pairs (strictly causal for Akk), 0
+        # elsewhere: -inf added where the pair is none, so no overflow and no mask after.
+        pair = op.Unsqueeze(cum - op.Transpose(cum, perm=[0, 1, 2, 4, 3]), [3])
+        causal = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+        none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
+        decays = op.Exp(pair + _const(none.astype(np.float32)))
         # One product for both: a Transpose feeding two MatMuls runs on its own.
-        both = op.MatMul(op.Concat(q_c, k_c, axis=3), _transposed(k_c))  # [.., 2C, C]
-        aqk, akk = (op.Slice(both, [start], [start + CHUNK], [3]) * decays for start in (0, CHUNK))
+        rows = op.Concat(op.Unsqueeze(q_c, [3]), op.Unsqueeze(beta_k, [3]), axis=3)
+        both = op.MatMul(rows, op.Unsqueeze(_transposed(k_c), [3])) * decays
+        aqk, lower = (op.Squeeze(x, [3]) for x in op.Split(both, num_outputs=2, axis=3))
+    elif (
+        A_log is not None
+        and lower_bound is not None
+        and (lower_bound >= FACTORED_BLOCK_LOWER_BOUND)
+    ):
+        aqk, lower = _blockwise_decayed(q_c, k_c, beta_k, cum, head_k)
     else:
-        factored = lower_bound is not None and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
-        leaf = BLOCK if A_log is not None and factored else 1
-        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k, leaf)
-    lower = beta_c * akk * strict
+        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k)
+    if lower is None:
+        lower = beta_c * akk * strict
     inverse = _unit_lower_inverse(lower, CHUNK)
     gamma = op.Exp(cum)
-    u_base = op.MatMul(inverse, beta_c * v_c)  # [B, HV, NC, C, V]
-    w = op.MatMul(inverse, beta_c * k_c * gamma)  # [B, HV, NC, C, K]
-    # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S) = M S + E, with M and E
-    # formed for all chunks at once; the serial Scan is one product per chunk.
-    kd = k_c * op.Exp(last - cum)
-    eye = _const(np.eye(head_k, dtype=np.float32))
-    decay_rows = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
-    kd_t = _transposed(kd)
-    transition = eye * decay_rows - op.MatMul(kd_t, w)
-    final, starts = chunk_scan(state, transition, op.MatMul(kd_t, u_base))
-    # O = (Q ⊙ Γ) S + Aqk (U - W S) = Aqk U + (Q ⊙ Γ - Aqk W) S, for all chunks at once.
-    o = op.MatMul(aqk, u_base) + op.MatMul(q_c * gamma - op.MatMul(aqk, w), starts)
-    o = op.Reshape(op.Transpose(o, perm=[0, 2, 3, 1, 4]),
+    u_base = op.MatMul(inverse, beta_c * v_c)  # [NC, B, HV, C, V]
+    w = op.MatMul(inverse, beta_k * gamma)  # [NC, B, HV, C, K]
+    # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S): in the Scan, two products
+    # per chunk (forming M = diag(Γ_C) - K̃ᵀ W and E = K̃ᵀ U for all chunks would take
+    # two more, of the same size, outside it).
+    keys = k_c * op.Exp(last - cum)
+    decay = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
+    final, starts, new_values = chunk_scan(state, w, u_base, keys, decay)
+    # O = (Q ⊙ Γ) S + Aqk (U - W S), for all chunks at once.
+    o = op.MatMul(q_c * gamma, starts) + op.MatMul(aqk, new_values)
+    o = op.Reshape(op.Transpose(o, perm=[1, 0, 3, 2, 4]),
                    op.Constant(value_ints=[0, -1, value_heads, head_v]))  # fmt: skip
     o = op.Slice(o, op.Constant(value_ints=[0]), length, op.Constant(value_ints=[1]))
+    if v.dtype == onnx.TensorProto.FLOAT:  # a Cast to its own type still copies
+        return o, final
     return op.Cast(o, to=v.dtype), final
