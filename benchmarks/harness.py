@@ -6,6 +6,7 @@ order; every row prints our time, the peers' and the ratio, and goes to a result
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,3 +173,26 @@ def report(title: str, benches: dict, results=None) -> list[Row]:
             if results is not None:
                 results.add(bench_row.records())
     return rows
+
+
+WARMUP_STEPS = 3
+
+
+def kernel_times_us(step: Callable[[], object], steps: int) -> Counter:
+    """Device µs a step of each kernel ``step()`` launches (by kernel name; torch.profiler
+    over ``steps`` steps after ``WARMUP_STEPS`` that compile and autotune)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = Counter()
+    for event in prof.key_averages():
+        if event.device_type == DeviceType.CUDA:
+            times[event.key] += event.self_device_time_total / steps
+    return times

@@ -23,7 +23,7 @@ from unittest import mock
 
 import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
-from harness import import_flash_kda, rotated_rounds
+from harness import import_flash_kda, kernel_times_us, rotated_rounds
 from ops import (
     LOWER_BOUND,
     NAMES,
@@ -35,28 +35,8 @@ from ops import (
     varlen_cu_seqlens,
 )
 from results import Results, add_arguments, row
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 import kda_ops
-
-WARMUP_STEPS = 3
-
-
-def kernel_times_us(step, steps: int) -> Counter:
-    """Device µs a step of each kernel ``step()`` launches (by kernel name)."""
-    for _ in range(WARMUP_STEPS):  # compile, autotune
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    times = Counter()
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            times[event.key] += event.self_device_time_total / steps
-    return times
 
 
 def print_table(name: str, times: Counter, rows: int = 16) -> None:

@@ -26,7 +26,7 @@ import argparse
 import time
 
 import torch
-from harness import relative_error, time_ms
+from harness import kernel_times_us, relative_error, time_ms
 from results import Results, add_arguments, row
 
 import kda_ops
@@ -75,25 +75,6 @@ def kernel_args(x: dict, kind: str) -> tuple:
     return inputs, None, None, DeltaRuleOptions(DIM**-0.5, options.get("lower_bound"), True, True)
 
 
-def kernel_times(call, steps: int = 3) -> dict[str, float]:
-    """Mean GPU µs a call of each kernel ``call`` launches (torch.profiler, ``steps`` calls
-    after one warm-up): where a variant's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            call()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            name = event.key.split("(")[0][:60]
-            totals[name] = totals.get(name, 0.0) + event.device_time_total / steps
-    return totals
-
-
 def fla_call(kind: str):
     if kind == "kda":
         from fla.ops.kda import chunk_kda
@@ -137,8 +118,9 @@ def run_case(kind: str, length: int, value_heads: int, split: int, variants: boo
                                                                           chunk=c))  # fmt: skip
                 o, _ = launch_chunk_kda(*args, segments=segments, chunk=chunk)
                 difference = relative_error(o, planned)
-                kernels = kernel_times(lambda c=chunk, s=segments: launch_chunk_kda(
-                    *args, segments=s, chunk=c))  # fmt: skip
+                kernels = kernel_times_us(lambda c=chunk, s=segments: launch_chunk_kda(
+                    *args, segments=s, chunk=c), steps=3)  # fmt: skip
+                kernels = {name[:60]: us for name, us in kernels.items()}
                 rows.append(row(case, "kda-ops", "time_long_variant", [ms * 1e3], "us",
                                 chunk=chunk, segments=segments, o_vs_planned=difference,
                                 kernels_us=kernels, **extra))  # fmt: skip

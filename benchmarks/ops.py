@@ -387,6 +387,16 @@ def bench_conv_prefill(s: Settings, length=8192, channels=32 * 128, width=4) -> 
         measure(case, "CUDA graph", replays, s, nbytes)
 
 
+def peak_gib(step: Callable[[], object]) -> float:
+    """Peak memory of one ``step()`` beyond what is allocated before it, GiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_bound=LOWER_BOUND,
                          disable_recompute=False, varlen=False) -> None:  # fmt: skip
     """Training step of one layer: forward + backward of every input (gate, beta and
@@ -408,15 +418,6 @@ def bench_chunk_backward(s: Settings, heads=64, length=8192, dim=128, lower_boun
             return torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
 
         return step
-
-    def peak_gib(step) -> float:
-        """Peak memory of one step beyond what is allocated before it."""
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**30
 
     steps = {"kda-ops": train_step(kda_ops.chunk_kda), "fla": train_step(s.fla_chunk_kda)}
     gate = ", softplus gate" if lower_bound is None else ""
@@ -518,12 +519,7 @@ def bench_gdn_training(s: Settings, batch=1, length=32768, heads=16, value_heads
     measure(case, "eager", steps, s)
     if s.graph:
         measure_replays(case, {"kda-ops": steps["kda-ops"]}, s)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    steps["kda-ops"]()
-    torch.cuda.synchronize()
-    gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    gib = peak_gib(steps["kda-ops"])
     if s.results is not None:
         s.results.add(row(case, "kda-ops", "peak_memory", [gib], "GiB"))
     print(f"    kda-ops peak GiB above the inputs: {gib:.2f}", flush=True)

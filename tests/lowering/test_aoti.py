@@ -3,7 +3,6 @@ from 1, refuse what a package cannot run; the hybrid model's packages, run from 
 runner with no Python, give eager's logits for a prefill and 8 decode steps."""
 
 import pathlib
-import shutil
 import subprocess
 import sys
 from typing import NamedTuple
@@ -137,23 +136,6 @@ def test_state_specs_describe_the_empty_cache():
         dtype, *shape = line.split()
         assert getattr(torch, dtype) == state.dtype
         assert [int(d) for d in shape] == list(state.shape[1:])
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> pathlib.Path:
-    """The C++ runner of examples/aoti_runner, built against this torch's libtorch."""
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        pytest.skip("the C++ runner needs cmake and a C++ compiler")
-    build = tmp_path_factory.mktemp("aoti_runner")
-    source = ROOT / "examples" / "aoti_runner"
-    configure = ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]  # fmt: skip
-    configured = subprocess.run(configure, capture_output=True, text=True)
-    if configured.returncode and torch.version.cuda and "find the CUDA" in configured.stderr:
-        pytest.skip("libtorch of a CUDA build of torch configures only with the CUDA toolkit")
-    assert configured.returncode == 0, configured.stderr
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return build / "kda_aoti_runner"
 
 
 class Packaged(NamedTuple):

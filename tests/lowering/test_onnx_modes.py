@@ -16,21 +16,11 @@ from onnx.reference import ReferenceEvaluator
 import kda_ops
 from lowering import onnx as kda_onnx
 from lowering import onnx_standard
+from tests.lowering.test_onnx import OpCase
 
 MODES = ("standard", "portable")
 LENGTHS = (1, 70, 130)  # one token, two chunks, three chunks (neither a multiple of 64)
 DIM = 8
-
-
-class OpCase(torch.nn.Module):
-    """Calls ``fn`` on the inputs (dim 1 of each is T, exported dynamic)."""
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _delta_rule(heads, value_heads, per_head, gate, initial_state, v_first=False,

@@ -8,7 +8,6 @@ layers each."""
 from __future__ import annotations
 
 import pathlib
-import shutil
 import subprocess
 
 import pytest
@@ -94,23 +93,6 @@ def test_cpu_packages_of_prefill_and_decode_equal_eager(name, tmp_path):
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 MAX_LENGTH = 32
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> pathlib.Path:
-    """The C++ runner of examples/aoti_runner, built against this torch's libtorch."""
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        pytest.skip("the C++ runner needs cmake and a C++ compiler")
-    build = tmp_path_factory.mktemp("aoti_runner")
-    configure = ["cmake", "-S", str(ROOT / "examples" / "aoti_runner"), "-B", str(build),
-                 "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]  # fmt: skip
-    configured = subprocess.run(configure, capture_output=True, text=True)
-    if configured.returncode and torch.version.cuda and "find the CUDA" in configured.stderr:
-        pytest.skip("libtorch of a CUDA build of torch configures only with the CUDA toolkit")
-    assert configured.returncode == 0, configured.stderr
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return build / "kda_aoti_runner"
 
 
 def _eager_greedy(net, prompt):
