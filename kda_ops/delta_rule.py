@@ -168,9 +168,13 @@ def _keeps_saved(inputs: DeltaRuleInputs) -> bool:
     the inputs' own dtype (the saved tensors' dtype is the inputs'; ``chunk_kda`` converts
     its inputs to the plan's compute dtype before the call, so only an op called directly
     with other inputs takes the reference here, and is told so)."""
-    if chunk_kernels_run(inputs) and not chunk_kernels_run_as_given(inputs):
+    plan = chunk_plan(inputs)
+    if plan.implementation != "triton":
+        return False
+    if plan.compute_dtype != inputs.q.dtype:
         announce(DeltaRulePlan("chunk", "reference", inputs.q.dtype, (TRAIN_OP_DTYPE,)))
-    return chunk_kernels_run_as_given(inputs)
+        return False
+    return True
 
 
 def _in_compute_dtype(inputs: DeltaRuleInputs) -> DeltaRuleInputs:
@@ -180,9 +184,10 @@ def _in_compute_dtype(inputs: DeltaRuleInputs) -> DeltaRuleInputs:
 
 
 def recurrent_kernel_runs(inputs: DeltaRuleInputs) -> bool:
-    """Whether the Triton recurrent kernel serves these CUDA inputs: it computes in fp32,
-    so float64 (the oracle's dtype) runs the reference."""
-    return inputs.q.dtype != torch.float64
+    """Whether the Triton recurrent kernel serves these CUDA inputs (``kda_ops.plan``: it
+    computes in fp32 whatever its inputs, so only float64, the oracle's dtype, runs the
+    reference)."""
+    return plan_delta_rule(inputs.q, "recurrent").implementation == "triton"
 
 
 def chunk_train_reference(
