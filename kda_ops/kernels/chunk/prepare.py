@@ -381,7 +381,9 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
             if not SAFE_GATE:
                 if CHUNKS == "bounded":
                     tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
-                elif not SCALAR_GATE and fits == 0:  # "all": redo it, overwriting all
+                # "all": redo it, overwriting all; a scalar gate's diagonal blocks are exact
+                # for any decay (``scalar_diagonal_block``), never redone
+                elif not SCALAR_GATE and fits == 0:
                     tl.debug_barrier()  # the dense pass's stores land first
                     _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
                                    remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
@@ -529,5 +531,4 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     smallest = tl.min(least, axis=0)
     if pair_limits is not None:
         tl.store(pair_limits + i_c * HV + i_hv, (smallest < -PAIRS_DENSE_LIMIT).to(tl.int8))
-    # A scalar gate's diagonal blocks are exact for any decay (``scalar_diagonal_block``).
-    return (smallest >= -dense_decay_limit(qg.dtype.element_ty)) | SCALAR_GATE
+    return smallest >= -dense_decay_limit(qg.dtype.element_ty)
