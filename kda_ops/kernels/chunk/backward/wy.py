@@ -35,6 +35,47 @@ from kda_ops.kernels.sizes import next_power_of_2
 
 
 @triton.jit
+def _scalar_pairs(d_a, d_aqk, b_beta, q_chunk, k_chunk, cum_chunk, q_factors, k_factors, rows,
+                  in_seq, last, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  BK_STEP: tl.constexpr, CHUNK: tl.constexpr, dot_dtype: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """A scalar gate's pair terms of A and Aqk, for pass 2 to add by key blocks. With one
+    decay a row the pair factor E_ij = e^{G_i - G_j} (<= 1 for i >= j) scales whole
+    ``[C, C]`` entries, so the pair terms are plain products with the rows: dq̂ += (dAqk ⊙
+    E) k̂, dk̂ += β (dA ⊙ E) k̂ + (dA ⊙ E)ᵀ (β k̂) + (dAqk ⊙ E)ᵀ q̂ (no per-column split,
+    no dyadic diagonal, no pairs kernel).
+
+    dG takes the pair terms from P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ) as
+    ``rowsum(P) - colsum(P)``: each term enters at its row and, negated, at its column
+    from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
+    diagonal, whose two ends are one term, drops out). Returns (dA ⊙ E, scale·dAqk ⊙ E
+    off the diagonal, both in the dot dtype; its diagonal ``[C]`` fp32; dG's pair part
+    ``[C]`` fp32). ``d_a``, ``d_aqk``: fp32, dA strictly lower, scale·dAqk lower."""
+    cum = tl.load(cum_chunk + (rows * HV + i_hv) * K, mask=in_seq, other=0.0)
+    cum = tl.where(in_seq, cum, tl.sum(tl.where(rows == last, cum, 0.0), axis=0))
+    lower = rows[:, None] >= rows[None, :]
+    decay = tl.where(lower, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
+    key_key = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    query_key = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK_STEP)):
+        offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
+        b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+        k_low = (b_k * k_factors[:, None]).to(dot_dtype)
+        q_low = (b_q * q_factors[:, None]).to(dot_dtype)
+        key_key += tl.dot(k_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+        query_key += tl.dot(q_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+    d_a = d_a * decay
+    d_aqk = d_aqk * decay
+    diagonal = rows[:, None] == rows[None, :]
+    d_aqk_diag = tl.sum(tl.where(diagonal, d_aqk, 0.0), axis=1)
+    d_aqk = tl.where(diagonal, 0.0, d_aqk)
+    pairs = b_beta[:, None] * d_a * key_key + d_aqk * query_key
+    d_g = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)
+    return d_a.to(dot_dtype), d_aqk.to(dot_dtype), d_aqk_diag, d_g
+
+
+@triton.jit
 def chunk_bwd_wy_kernel(
     q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
     grad_o, dv_new, scale, length, n_seqs,
@@ -44,7 +85,7 @@ def chunk_bwd_wy_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
     BN: tl.constexpr, CHUNK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c and value head i_hv, on all 64 rows: everything that goes through S,
     dS' and T, in two passes so that no ``[C, K]`` accumulator lives across a loop:
@@ -117,16 +158,27 @@ def chunk_bwd_wy_kernel(
         d_a -= tl.dot(d_ru, tl.trans(v_new_f32), input_precision=DOT_PRECISION)
     tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
-    tl.store(d_aqk_tiles + square + in_square, d_aqk)
-    if d_aqk_low is not None:
-        tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
-    if d_a_low is None:
-        tl.store(d_a_tiles + square + in_square, d_a)
-    else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
-        diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
-        tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
-        tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
+    q_chunk = q + start * H * K
+    k_chunk = k + start * H * K
+    cum_chunk = cum_g + start * HV * K
+    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    if SCALAR_GATE:  # the pair terms here, in pass 2's key loop (``_scalar_pairs``)
+        d_a, d_aqk, d_aqk_diag, d_g = _scalar_pairs(
+            d_a, d_aqk, b_beta, q_chunk, k_chunk, cum_chunk, q_factors, k_factors, rows,
+            in_seq, last, i_h, i_hv, H, HV, K, BK_STEP, CHUNK, dot_dtype, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        tl.store(d_aqk_tiles + square + in_square, d_aqk)
+        if d_aqk_low is not None:
+            tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
+        if d_a_low is None:
+            tl.store(d_a_tiles + square + in_square, d_a)
+        else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
+            diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
+            tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
+            tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
@@ -136,11 +188,6 @@ def chunk_bwd_wy_kernel(
                    other=0.0).to(dot_dtype)  # fmt: skip
     v_new = tl.load(v_new_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
     d_ru = tl.load(d_ru_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
-    q_chunk = q + start * H * K
-    k_chunk = k + start * H * K
-    cum_chunk = cum_g + start * HV * K
-    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
-    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     for i_k in range(0, tl.cdiv(K, BK_STEP)):
         offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
         mask_kb = offs_kb < K
@@ -172,9 +219,25 @@ def chunk_bwd_wy_kernel(
         d_decay = tl.sum(s_keys * ds_keys, axis=1)
         d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
         d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
+        if SCALAR_GATE:
+            # The pairs' products of these key columns: d_a holds dA ⊙ E, d_aqk
+            # scale·dAqk ⊙ E off the diagonal, d_aqk_diag its diagonal (no decay).
+            k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
+            a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
+            d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION)
+            d_q += d_aqk_diag[:, None] * b_k
+            d_k += b_beta[:, None] * a_rows + d_aqk_diag[:, None] * b_q
+            d_k += tl.dot(tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype),
+                          input_precision=DOT_PRECISION)  # fmt: skip
+            d_k += tl.dot(tl.trans(d_aqk), q_low, input_precision=DOT_PRECISION)
+            d_beta += tl.sum(b_k * a_rows, axis=1)
+            d_g += tl.sum(d_cum, axis=1)
+        else:
+            tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
         tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
         tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
-        tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
+    if SCALAR_GATE:  # one dG a row: [B, T, HV]
+        tl.store(d_cum_rows + start * HV + rows * HV + i_hv, d_g, mask=in_seq)
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
 
 
@@ -229,5 +292,5 @@ def launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states,
         BV_STEP=wy.value_step, BK_STEP=wy.key_step, BN=next_power_of_2(n_seqs), CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-        num_warps=wy.warps, num_stages=wy.stages,
+        SCALAR_GATE=layout.flags["SCALAR_GATE"], num_warps=wy.warps, num_stages=wy.stages,
     )  # fmt: skip
