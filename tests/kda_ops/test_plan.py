@@ -1,7 +1,12 @@
 """One plan per delta-rule call (``kda_ops.plan``): its rules, ``kda_ops.explain``, the
-one-time warning, and every chunk entry point computing in the plan's dtype."""
+one-time warning, the support matrix the documents show, and every chunk entry point
+computing in the plan's dtype."""
 
+import dataclasses
+import importlib.util
+import itertools
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,13 @@ from kda_ops import plan
 from kda_ops.plan import decide
 from tests.kda_ops.inputs import delta_rule_inputs
 from tests.kda_ops.kernels.devices import relative_error
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location(
+    "support_matrix", ROOT / "tools" / "support_matrix.py"
+)
+support_matrix_tool = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(support_matrix_tool)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +72,50 @@ def test_a_slower_cuda_path_warns_once_per_rule(monkeypatch):
         plan.announce(decide("chunk", "cuda", torch.bfloat16, 64, True))  # nothing to say
     with pytest.warns(UserWarning, match="Triton is not installed"):
         plan.announce(decide("chunk", "cuda", torch.bfloat16, 64, False))
+
+
+def test_the_support_matrix_is_decide_everywhere():
+    """Every kind, device, dtype, key width 1..256 and Triton install falls in one row of the
+    matrix, whose plan is decide's for it."""
+    rows = plan.support_matrix()
+    covered = [(r.kind, r.device_type, r.dtype, head_k, r.triton_available)
+               for r in rows for head_k in r.key_dims]  # fmt: skip
+    space = itertools.product(plan.KINDS, plan.DEVICE_TYPES, plan.DTYPES,
+                              range(1, plan.MAX_HEAD_DIM + 1), (True, False))  # fmt: skip
+    assert sorted(covered, key=str) == sorted(space, key=str)
+    for row in rows:
+        for head_k in row.key_dims:
+            assert row.plan == decide(row.kind, row.device_type, row.dtype, head_k,
+                                      row.triton_available)  # fmt: skip
+
+
+def test_the_support_matrix_follows_a_changed_rule(monkeypatch):
+    """A rule added to decide (float32 past 200 key columns) shows as its own columns and a
+    numbered reason: the matrix holds no copy of the rules."""
+    original = plan.decide
+    added = "float32 past 200 key columns takes a made-up path"
+
+    def with_a_rule_added(kind, device_type, dtype, head_k, triton_available):
+        decided = original(kind, device_type, dtype, head_k, triton_available)
+        if dtype == torch.float32 and head_k > 200:
+            return dataclasses.replace(decided, reasons=(*decided.reasons, added))
+        return decided
+
+    before = plan.render_support_matrix()
+    monkeypatch.setattr(plan, "decide", with_a_rule_added)
+    assert plan.key_dim_bands(torch.float32) == (range(1, 201), range(201, 257))
+    after = plan.render_support_matrix()
+    header = after.splitlines()[0]
+    assert "| float32, K ≤ 200 | float32, K > 200 |" in header
+    assert f". {added}." in after and added not in before
+
+
+@pytest.mark.parametrize("document", support_matrix_tool.DOCUMENTS, ids=lambda p: p.name)
+def test_the_documents_show_the_rules_support_matrix(document):
+    """README.md and docs/api.md hold exactly the rendered matrix between their markers: a
+    rule changed without ``python tools/support_matrix.py`` fails here."""
+    shown = support_matrix_tool.block(document.read_text(), document.name)
+    assert shown == plan.render_support_matrix()
 
 
 CASES = {
