@@ -18,10 +18,14 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
 
 On CUDA, rules 1, 2 and 5 give a slower path than the inputs ask for: the first call that
 takes one warns, once per rule, naming the reason. :func:`explain` returns the plan
-for given inputs without running anything.
+for given inputs without running anything. :func:`support_matrix` asks :func:`decide` for
+every kind, device, dtype, key width and Triton install, and
+:func:`render_support_matrix` makes that a Markdown table (the README's and
+docs/api.md's, which ``tools/support_matrix.py`` rewrites).
 """
 
 import dataclasses
+import itertools
 import warnings
 from typing import Literal, Optional
 
@@ -29,11 +33,12 @@ import torch
 from torch import Tensor
 
 from kda_ops import kernels
+from kda_ops.validation import MAX_HEAD_DIM
 
 Kind = Literal["chunk", "recurrent"]
 Implementation = Literal["triton", "reference"]
 
-# Past this many key columns bf16 chunk inputs are computed in fp32 (rule 5).
+# Past this many key columns bf16 chunk inputs are computed in fp32 (rule 2).
 BF16_CHUNK_MAX_KEY_DIM = 128
 
 FP16_IN_FP32 = (
@@ -98,14 +103,23 @@ def decide(kind: Kind, device_type: str, dtype: torch.dtype, head_k: int,
 _WARNED: set[str] = set()
 
 
+def warned_reasons(plan: DeltaRulePlan) -> tuple[str, ...]:
+    """The reasons of ``plan`` that :func:`announce` warns of (once each): those that give
+    a slower or less precise path than the inputs ask for (``WARNED``), not off CUDA (where
+    the reference is the kernel by design)."""
+    if OFF_CUDA in plan.reasons:
+        return ()
+    return tuple(reason for reason in plan.reasons if reason in WARNED)
+
+
 def announce(plan: DeltaRulePlan) -> None:
     """Warns once per rule where ``plan`` takes a slower or less precise path than its
-    inputs ask for (``WARNED``). Not while tracing (the plan of a traced call is the one
-    its eager calls announce)."""
-    if torch.compiler.is_compiling() or OFF_CUDA in plan.reasons:
+    inputs ask for (:func:`warned_reasons`). Not while tracing (the plan of a traced call
+    is the one its eager calls announce)."""
+    if torch.compiler.is_compiling():
         return
-    for reason in plan.reasons:
-        if reason in WARNED and reason not in _WARNED:
+    for reason in warned_reasons(plan):
+        if reason not in _WARNED:
             _WARNED.add(reason)
             warnings.warn(f"kda_ops: {reason}", stacklevel=3)
 
@@ -131,3 +145,106 @@ def explain(q: Tensor, k: Optional[Tensor] = None, v: Optional[Tensor] = None,
         if tensor is not None:
             dtype = torch.promote_types(dtype, tensor.dtype)
     return plan_delta_rule(q, kind, dtype)
+
+
+# The axes of the support matrix: every value decide() reads. Any device but CUDA is "cpu".
+KINDS: tuple[Kind, ...] = ("chunk", "recurrent")
+DEVICE_TYPES = ("cuda", "cpu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SupportRow:
+    """One cell of the support matrix: the plan :func:`decide` gives a ``kind`` call on
+    ``device_type`` with q, k, v in ``dtype``, every key width in ``key_dims`` (a range
+    within 1..MAX_HEAD_DIM) and Triton installed or not."""
+
+    kind: Kind
+    device_type: str
+    dtype: torch.dtype
+    key_dims: range
+    triton_available: bool
+    plan: DeltaRulePlan
+
+
+def key_dim_bands(dtype: torch.dtype) -> tuple[range, ...]:
+    """The key widths 1..MAX_HEAD_DIM cut where :func:`decide`'s plan for ``dtype`` changes
+    with K for some kind, device or Triton install (asked at every K, so that the bands are
+    the rules' and not a copy of their thresholds)."""
+    others = list(itertools.product(KINDS, DEVICE_TYPES, (True, False)))
+
+    def plans(head_k: int) -> list[DeltaRulePlan]:
+        return [decide(kind, device, dtype, head_k, triton) for kind, device, triton in others]
+
+    bands, start = [], 1
+    for head_k in range(2, MAX_HEAD_DIM + 1):
+        if plans(head_k) != plans(head_k - 1):
+            bands.append(range(start, head_k))
+            start = head_k
+    bands.append(range(start, MAX_HEAD_DIM + 1))
+    return tuple(bands)
+
+
+def support_matrix() -> list[SupportRow]:
+    """:func:`decide`'s plan for every kind, device ("cuda", or "cpu" for any other),
+    dtype (``DTYPES``), band of key widths (:func:`key_dim_bands`) and Triton install, in
+    that order of nesting."""
+    rows = []
+    for kind, device, dtype in itertools.product(KINDS, DEVICE_TYPES, DTYPES):
+        for key_dims, triton in itertools.product(key_dim_bands(dtype), (True, False)):
+            decided = decide(kind, device, dtype, key_dims[0], triton)
+            rows.append(SupportRow(kind, device, dtype, key_dims, triton, decided))
+    return rows
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _column_name(dtype: torch.dtype, key_dims: range) -> str:
+    low, high = key_dims[0], key_dims[-1]
+    if (low, high) == (1, MAX_HEAD_DIM):
+        return _dtype_name(dtype)
+    if low == 1:
+        return f"{_dtype_name(dtype)}, K ≤ {high}"
+    if high == MAX_HEAD_DIM:
+        return f"{_dtype_name(dtype)}, K > {low - 1}"
+    return f"{_dtype_name(dtype)}, {low - 1} < K ≤ {high}"
+
+
+def render_support_matrix() -> str:
+    """:func:`support_matrix` as Markdown: a row per kind, device and Triton install (one for
+    both installs where they agree), a column per dtype and band of key widths, each cell
+    the implementation and the compute dtype, the numbers of its reasons and "warns" where
+    the call warns (:func:`warned_reasons`); then the reasons, numbered. Ends with a
+    newline."""
+    rows = support_matrix()
+    columns = list(dict.fromkeys((row.dtype, row.key_dims) for row in rows))
+    plans: dict[tuple[Kind, str, bool], list[DeltaRulePlan]] = {}  # a row's, column by column
+    for row in rows:
+        plans.setdefault((row.kind, row.device_type, row.triton_available), []).append(row.plan)
+    reasons: dict[str, int] = {}
+
+    def cell(plan: DeltaRulePlan) -> str:
+        notes = [str(reasons.setdefault(reason, len(reasons) + 1)) for reason in plan.reasons]
+        notes += ["warns"] if warned_reasons(plan) else []
+        text = f"{plan.implementation}, {_dtype_name(plan.compute_dtype)}"
+        return text + (f" ({', '.join(notes)})" if notes else "")
+
+    lines = [
+        "| kind | device | Triton | " + " | ".join(_column_name(*c) for c in columns) + " |",
+        "| --- " * (3 + len(columns)) + "|",
+    ]
+    for kind, device in itertools.product(KINDS, DEVICE_TYPES):
+        installed, missing = plans[kind, device, True], plans[kind, device, False]
+        if installed == missing:
+            installs = [("either", installed)]
+        else:
+            installs = [("installed", installed), ("not installed", missing)]
+        for install, row_plans in installs:
+            device_name = "CUDA" if device == "cuda" else "CPU"
+            lines.append(f"| {kind} | {device_name} | {install} | "
+                         + " | ".join(cell(plan) for plan in row_plans) + " |")  # fmt: skip
+    lines.append("")
+    lines += [f"{number}. {reason}." for reason, number in reasons.items()]
+    return "\n".join(lines) + "\n"
