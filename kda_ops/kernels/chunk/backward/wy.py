@@ -51,7 +51,7 @@ def _scalar_pairs(d_a, d_aqk, b_beta, q_chunk, k_chunk, cum_chunk, q_factors, k_
     diagonal, whose two ends are one term, drops out). Returns (dA ⊙ E, scale·dAqk ⊙ E
     off the diagonal, both in the dot dtype; its diagonal ``[C]`` fp32; dG's pair part
     ``[C]`` fp32). ``d_a``, ``d_aqk``: fp32, dA strictly lower, scale·dAqk lower."""
-    cum = tl.load(cum_chunk + (rows * HV + i_hv) * K, mask=in_seq, other=0.0)
+    cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
     cum = tl.where(in_seq, cum, tl.sum(tl.where(rows == last, cum, 0.0), axis=0))
     lower = rows[:, None] >= rows[None, :]
     decay = tl.where(lower, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
@@ -161,7 +161,7 @@ def chunk_bwd_wy_kernel(
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
     q_chunk = q + start * H * K
     k_chunk = k + start * H * K
-    cum_chunk = cum_g + start * HV * K
+    cum_chunk = cum_g + start * HV * (1 if SCALAR_GATE else K)  # G one a row if scalar
     q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     if SCALAR_GATE:  # the pair terms here, in pass 2's key loop (``_scalar_pairs``)
@@ -202,13 +202,19 @@ def chunk_bwd_wy_kernel(
         d_kd = tl.dot(v_new, tl.trans(ds_keys.to(dot_dtype)), input_precision=DOT_PRECISION)
         d_rw = -tl.dot(d_ru, s_keys_t, input_precision=DOT_PRECISION)  # Tᵀ dw
 
-        cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
-                           other=0.0)  # fmt: skip
+        if SCALAR_GATE:  # G one a row, the same for every column
+            cum_end = tl.load(cum_chunk + last * HV + i_hv)
+            cum_last = cum_end + tl.zeros([BK_STEP], tl.float32)
+            b_cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
+            b_cum = tl.where(in_seq, b_cum, cum_end)[:, None] + tl.zeros([1, BK_STEP], tl.float32)
+        else:
+            cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
+                               other=0.0)  # fmt: skip
+            b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
         b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
         b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
         b_q *= q_factors[:, None]
         b_k *= k_factors[:, None]
-        b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
         gamma = tl.exp(b_cum)
         to_end = tl.exp(cum_last[None, :] - b_cum)
         d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
