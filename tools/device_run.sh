@@ -9,7 +9,7 @@
 # an earlier commit's kda_ops), fla_suite (FLA's own KDA / GDN tests
 # against kda-ops), fuzz (tools/fuzz.py: FUZZ_CASES cases of FUZZ_SEED, each in its own
 # process), probe (tools/recurrence_probe.py: the bf16 chunk path by kernel and
-# launch setting). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
+# launch setting), memcheck (its unmasked 64-token case under compute-sanitizer). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
 # FlashKDA from .peers/FlashKDA where it was built.
 # Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote), and
 # VARIANTS_S (each of the variants phase's two runs), GDN_S; GDN_ROWS, BASELINE_ROWS:
@@ -69,11 +69,13 @@ for phase in "$@"; do
             --out "$OUT/long_sequence.json" 2>&1 | tail -n 60
         ;;
     probe)
-        # The bf16 chunk path's open questions (tools/recurrence_probe.py), then the
-        # unmasked 64-token loop under compute-sanitizer's memcheck.
+        # The bf16 chunk path's open questions (tools/recurrence_probe.py).
         timeout "${PROBE_S:-$BENCH_S}" python3 tools/recurrence_probe.py --jobs 8 \
             --json "$OUT/recurrence_probe.jsonl" 2>&1 | tee "$OUT/recurrence_probe.log" | tail -n 80
-        timeout 120 compute-sanitizer --tool memcheck python3 tools/recurrence_probe.py --case \
+        ;;
+    memcheck)
+        # The unmasked 64-token loop under compute-sanitizer's memcheck.
+        timeout "${MEMCHECK_S:-120}" compute-sanitizer --tool memcheck python3 tools/recurrence_probe.py --case \
             '{"K": 128, "V": 128, "T": 1000, "chunk": 64, "UNMASKED_FULL_STEPS": true}' \
             2>&1 | tail -n 25 | tee "$OUT/recurrence_probe_memcheck.log"
         ;;
