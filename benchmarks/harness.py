@@ -120,14 +120,19 @@ def graph_time_ms(calls) -> float:
 
 
 def rotated_rounds(calls: dict[str, Callable], rounds: int, timer: Callable = time_ms,
-                   errors: dict[str, str] | None = None) -> dict[str, list[float]]:  # fmt: skip
+                   errors: dict[str, str] | None = None,
+                   deadline: float | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Times each of ``calls`` (name -> callable) once a round with ``timer``, the order
     rotated by one each round, so that no library always runs first (or right after the
     same other one). Returns name -> one time a round. A call that raises is dropped from
-    later rounds and its error kept in ``errors`` (name -> repr)."""
+    later rounds and its error kept in ``errors`` (name -> repr). No round starts once
+    ``time.monotonic()`` has passed ``deadline`` (the first always runs), so a time budget
+    ends a case with fewer rounds, every call timed in each."""
     names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
+        if round_ and deadline is not None and time.monotonic() > deadline:
+            break
         shift = round_ % max(len(names), 1)
         for name in names[shift:] + names[:shift]:
             if errors is not None and name in errors:

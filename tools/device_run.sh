@@ -9,8 +9,18 @@
 # an earlier commit's kda_ops), fla_suite (FLA's own KDA / GDN tests
 # against kda-ops), fuzz (tools/fuzz.py: FUZZ_CASES cases of FUZZ_SEED, each in its own
 # process), probe (tools/recurrence_probe.py: the bf16 chunk path by kernel and
-# launch setting), memcheck (its unmasked 64-token case under compute-sanitizer). Wheels in .whl/ (fla-core 0.6.0, einops) are installed first, and
-# FlashKDA from .peers/FlashKDA where it was built.
+# launch setting), memcheck (its unmasked 64-token case under compute-sanitizer), models
+# (benchmarks/transformers_models.py: each transformers hybrid
+# family under FLA eager, stock torch.compile and kda-ops, MODELS families, default all,
+# inside BENCH_S). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
+# image's packages), and FlashKDA from .peers/FlashKDA where it was built.
+# .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
+# (13.5 MB), all py3-none-any. transformers 5.24.0 needs no other wheel: the image's
+# transformers 5.17.0 declares the same requirements (huggingface-hub aside: 5.24 takes
+# >=1.31,<3, the image has 1.33.0), and the image has them all: tokenizers 0.23.2,
+# safetensors 0.8.0, numpy, regex, pyyaml, packaging, filelock, tqdm, typer (accelerate
+# 1.15.0 is version-checked at import too). The models are built from configs: no
+# tokenizer, no hub access.
 # Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote), and
 # VARIANTS_S (each of the variants phase's two runs), GDN_S; GDN_ROWS, BASELINE_ROWS:
 # ops.py's GDN rows of the gdn and baseline phases.
@@ -99,6 +109,13 @@ for phase in "$@"; do
         timeout "${FUZZ_S:-$TESTS_S}" python3 tools/fuzz.py --cases "${FUZZ_CASES:-300}" \
             --seed "${FUZZ_SEED:-0}" --jobs 4 --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
             | tail -n 40
+        ;;
+    models)
+        # Each family compiles two paths for four cases: name a few in MODELS a command.
+        timeout "$BENCH_S" python3 benchmarks/transformers_models.py --no-shared-machine \
+            --model ${MODELS:-all} --budget-s $((BENCH_S - 30)) \
+            --out "$OUT/transformers_models.json" 2>&1 | tee "$OUT/transformers_models.log" \
+            | tail -n 60
         ;;
     fla_suite)
         timeout "$TESTS_S" python3 tools/fla_suite.py 2>&1 | tee "$OUT/fla_suite.log" | tail -n 30
