@@ -35,44 +35,48 @@ from kda_ops.kernels.sizes import next_power_of_2
 
 
 @triton.jit
-def _scalar_pairs(d_a, d_aqk, b_beta, q_chunk, k_chunk, cum_chunk, q_factors, k_factors, rows,
-                  in_seq, last, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                  BK_STEP: tl.constexpr, CHUNK: tl.constexpr, dot_dtype: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """A scalar gate's pair terms of A and Aqk, for pass 2 to add by key blocks. With one
-    decay a row the pair factor E_ij = e^{G_i - G_j} (<= 1 for i >= j) scales whole
-    ``[C, C]`` entries, so the pair terms are plain products with the rows: dq̂ += (dAqk ⊙
-    E) k̂, dk̂ += β (dA ⊙ E) k̂ + (dA ⊙ E)ᵀ (β k̂) + (dAqk ⊙ E)ᵀ q̂ (no per-column split,
-    no dyadic diagonal, no pairs kernel).
-
-    dG takes the pair terms from P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ) as
-    ``rowsum(P) - colsum(P)``: each term enters at its row and, negated, at its column
-    from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
-    diagonal, whose two ends are one term, drops out). Returns (dA ⊙ E, scale·dAqk ⊙ E
-    off the diagonal, both in the dot dtype; its diagonal ``[C]`` fp32; dG's pair part
-    ``[C]`` fp32). ``d_a``, ``d_aqk``: fp32, dA strictly lower, scale·dAqk lower."""
+def _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.constexpr,
+                  dot_dtype: tl.constexpr):  # fmt: skip
+    """A scalar gate's pair matrices, for pass 2 to take by key blocks. With one decay a
+    row the pair factor E_ij = e^{G_i - G_j} (<= 1 for i >= j) scales whole ``[C, C]``
+    entries, so the pair terms are plain products with the rows: dq̂ += (dAqk ⊙ E) k̂,
+    dk̂ += β (dA ⊙ E) k̂ + (dA ⊙ E)ᵀ (β k̂) + (dAqk ⊙ E)ᵀ q̂ (no per-column split, no
+    dyadic diagonal, no pairs kernel). Returns dA ⊙ E and scale·dAqk ⊙ E off the diagonal
+    (dot dtype), and that diagonal ``[C]`` fp32 (no decay: elementwise terms).
+    ``d_a``, ``d_aqk``: fp32, dA strictly lower, scale·dAqk lower."""
     cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
     cum = tl.where(in_seq, cum, tl.sum(tl.where(rows == last, cum, 0.0), axis=0))
     lower = rows[:, None] >= rows[None, :]
     decay = tl.where(lower, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
-    key_key = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    query_key = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK_STEP)):
-        offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
-        b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
-        b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
-        k_low = (b_k * k_factors[:, None]).to(dot_dtype)
-        q_low = (b_q * q_factors[:, None]).to(dot_dtype)
-        key_key += tl.dot(k_low, tl.trans(k_low), input_precision=DOT_PRECISION)
-        query_key += tl.dot(q_low, tl.trans(k_low), input_precision=DOT_PRECISION)
-    d_a = d_a * decay
     d_aqk = d_aqk * decay
     diagonal = rows[:, None] == rows[None, :]
     d_aqk_diag = tl.sum(tl.where(diagonal, d_aqk, 0.0), axis=1)
     d_aqk = tl.where(diagonal, 0.0, d_aqk)
-    pairs = b_beta[:, None] * d_a * key_key + d_aqk * query_key
-    d_g = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)
-    return d_a.to(dot_dtype), d_aqk.to(dot_dtype), d_aqk_diag, d_g
+    return (d_a * decay).to(dot_dtype), d_aqk.to(dot_dtype), d_aqk_diag
+
+
+@triton.jit
+def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_beta, d_g,
+                       dot_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Adds the pair terms of one key block (``b_q``, ``b_k``: its q̂, k̂ rows fp32) to the
+    row gradients (``_scalar_pairs`` made ``d_a``, ``d_aqk``, ``d_aqk_diag``). dG's pair
+    part comes from the block's share of P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ)
+    as ``rowsum(P) - colsum(P)``: each term enters at its row and, negated, at its column
+    from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
+    diagonal, whose two ends are one term, is left out)."""
+    k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
+    a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
+    d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
+    d_k += b_beta[:, None] * a_rows + d_aqk_diag[:, None] * b_q
+    d_k += tl.dot(tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype),
+                  input_precision=DOT_PRECISION)  # fmt: skip
+    d_k += tl.dot(tl.trans(d_aqk), q_low, input_precision=DOT_PRECISION)
+    d_beta += tl.sum(b_k * a_rows, axis=1)
+    key_key = tl.dot(k_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+    query_key = tl.dot(q_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+    pairs = b_beta[:, None] * d_a.to(tl.float32) * key_key + d_aqk.to(tl.float32) * query_key
+    d_g += tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)
+    return d_q, d_k, d_beta, d_g
 
 
 @triton.jit
@@ -164,11 +168,28 @@ def chunk_bwd_wy_kernel(
     cum_chunk = cum_g + start * HV * (1 if SCALAR_GATE else K)  # G one a row if scalar
     q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
-    if SCALAR_GATE:  # the pair terms here, in pass 2's key loop (``_scalar_pairs``)
-        d_a, d_aqk, d_aqk_diag, d_g = _scalar_pairs(
-            d_a, d_aqk, b_beta, q_chunk, k_chunk, cum_chunk, q_factors, k_factors, rows,
-            in_seq, last, i_h, i_hv, H, HV, K, BK_STEP, CHUNK, dot_dtype, DOT_PRECISION,
-        )  # fmt: skip
+    if SCALAR_GATE:  # the pair terms here (``_scalar_pair_grads``), not in the pairs kernel
+        d_a, d_aqk, d_aqk_diag = _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv,
+                                               HV, dot_dtype)  # fmt: skip
+        d_g = tl.zeros([CHUNK], dtype=tl.float32)
+        PAIR_STEP: tl.constexpr = 16  # key columns a step: its [C, C] temporaries take room
+        # The pair terms by key blocks into the row gradients, before pass 2 adds its own:
+        # the pair matrices are dead by then, leaving pass 2's value tiles the registers.
+        for i_k in range(0, tl.cdiv(K, PAIR_STEP)):
+            offs_kb = i_k * PAIR_STEP + tl.arange(0, PAIR_STEP)
+            mask_rows_kb = in_seq[:, None] & (offs_kb < K)[None, :]
+            key_offsets = row_offsets * K + offs_kb[None, :]
+            b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            b_q *= q_factors[:, None]
+            b_k *= k_factors[:, None]
+            zeros = tl.zeros([CHUNK, PAIR_STEP], dtype=tl.float32)
+            d_q, d_k, d_beta, d_g = _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k,
+                                                       zeros, zeros, d_beta, d_g, dot_dtype,
+                                                       DOT_PRECISION)  # fmt: skip
+            tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
+            tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
+        tl.debug_barrier()  # pass 2 reads what other threads stored
     else:
         tl.store(d_aqk_tiles + square + in_square, d_aqk)
         if d_aqk_low is not None:
@@ -225,25 +246,16 @@ def chunk_bwd_wy_kernel(
         d_decay = tl.sum(s_keys * ds_keys, axis=1)
         d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
         d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
-        if SCALAR_GATE:
-            # The pairs' products of these key columns: d_a holds dA ⊙ E, d_aqk
-            # scale·dAqk ⊙ E off the diagonal, d_aqk_diag its diagonal (no decay).
-            k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
-            a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
-            d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION)
-            d_q += d_aqk_diag[:, None] * b_k
-            d_k += b_beta[:, None] * a_rows + d_aqk_diag[:, None] * b_q
-            d_k += tl.dot(tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype),
-                          input_precision=DOT_PRECISION)  # fmt: skip
-            d_k += tl.dot(tl.trans(d_aqk), q_low, input_precision=DOT_PRECISION)
-            d_beta += tl.sum(b_k * a_rows, axis=1)
+        if SCALAR_GATE:  # onto the pair terms
+            d_q += tl.load(dq_rows + key_base + key_offsets, mask=mask_rows_kb, other=0.0)
+            d_k += tl.load(dk_rows + key_base + key_offsets, mask=mask_rows_kb, other=0.0)
             d_g += tl.sum(d_cum, axis=1)
         else:
             tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
         tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
         tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
-    if SCALAR_GATE:  # one dG a row: [B, T, HV]
-        tl.store(d_cum_rows + start * HV + rows * HV + i_hv, d_g, mask=in_seq)
+    if SCALAR_GATE:
+        tl.store(d_cum_rows + start * HV + rows * HV + i_hv, d_g, mask=in_seq)  # [B, T, HV]
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
 
 
