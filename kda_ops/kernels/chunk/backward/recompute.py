@@ -79,8 +79,10 @@ def chunk_bwd_recompute_kernel(
     )  # fmt: skip
     if not SCALAR_GATE:
         tl.store(cum_g + key_offsets, decay, mask=mask_k)
-    elif i_s == 0:  # the scalar gate's G, one a row ([B, T, HV]): every column holds it
-        tl.store(cum_g + tokens * HV + i_hv, tl.max(decay, axis=1), mask=rows_in)
+    elif i_s == 0:  # the scalar gate's G, one a row ([B, T, HV]): column 0's (padding has 0)
+        first = (tl.arange(0, BK) == 0)[None, :]
+        tl.store(cum_g + tokens * HV + i_hv, tl.sum(tl.where(first, decay, 0.0), axis=1),
+                 mask=rows_in)  # fmt: skip
     from_start = fast_exp(decay)
     r_q = load_normed_rows(q, q_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k,
                            USE_L2NORM)  # fmt: skip

@@ -234,8 +234,20 @@ def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
     K != V, and V over several of the rebuild's column blocks (``REBUILD_COLUMNS``; K's
     later blocks then lie wholly past K). That backward only reads what was kept, so a second
     one gives the same bits."""
+    check_rebuilt_rows(variant, head_k=16, head_v=head_v)
+
+
+@pytest.mark.parametrize("variant", ["softplus_gate", "gdn"])
+def test_rebuilt_rows_with_padded_key_columns(variant):
+    """K = 60 in a 64-wide rebuild block: the padding columns carry no gate (the scalar
+    gate's G, one a row, is read off a column inside K)."""
+    check_rebuilt_rows(variant, head_k=60, head_v=24)
+
+
+def check_rebuilt_rows(variant, head_k, head_v):
+    """``test_rebuilt_rows_match_the_solved_ones`` for one shape."""
     primals, cu_seqlens, config, grad_o, grad_state = kernel_inputs(
-        variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=16, head_v=head_v
+        variant, cu_seqlens=[0, 50, 150], length=150, n_seqs=2, head_k=head_k, head_v=head_v
     )
     _, _, saved = launch_chunk_kda_training(*grouped(*primals, cu_seqlens, *config))
     _, _, kept = launch_chunk_kda_training(*grouped(*primals, cu_seqlens, *config), keep_rows=False)
