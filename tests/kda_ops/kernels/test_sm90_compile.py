@@ -90,7 +90,6 @@ def ds_scan(value_columns: int) -> tuple:
         HAS_INITIAL_STATE=False,
         IS_VARLEN=False,
         DOT_PRECISION="tf32",
-        SCALAR_GATE=False,
     )
     types = {name: "*bf16" for name in ("w", "qg", "kd", "aqk", "grad_o", "dstates")}
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
@@ -180,17 +179,12 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
                                                     USE_LOWER_BOUND=safe, CHUNKS=chunks))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
-    # the WY kernel, with the l2norm factors the prepare stored; with the scalar gate it
-    # also takes the pair terms
-    **{
-        f"chunk_bwd_wy_kernel/scalar_gate={scalar}": (
-            "chunk.backward.wy", "chunk_bwd_wy_kernel",
-            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32, BK_STEP=32, BN=1,
-                 CHUNK=64, USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                 DOT_PRECISION="tf32", SCALAR_GATE=scalar),
-        )
-        for scalar in (False, True)
-    },
+    # the WY kernel, with the l2norm factors the prepare stored
+    "chunk_bwd_wy_kernel": ("chunk.backward.wy", "chunk_bwd_wy_kernel",
+                            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32,
+                                 BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
+                                 USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                                 DOT_PRECISION="tf32")),
     # the pairs kernel, one program a row block, in each of its launches
     **{
         f"chunk_bwd_pairs_kernel/{chunks}": (
@@ -289,7 +283,7 @@ def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> 
                                   run_ahead=False)  # fmt: skip
     constexprs = dict(HV=32, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=64,
                       HAS_INITIAL_STATE=True, IS_VARLEN=False,
-                      DOT_PRECISION=_dot_precision(dtype), SCALAR_GATE=False)  # fmt: skip
+                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
     types = _typed(dtype, "w", "qg", "kd", "aqk", "grad_o", "dstates")
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
     return ("chunk.backward.state", "chunk_bwd_state_kernel", constexprs, types,
@@ -303,7 +297,7 @@ def wy(head_k: int, head_v: int, dtype: str) -> tuple:
     constexprs = dict(H=32, HV=32, K=head_k, V=head_v, BK=block_k, BV=block_v,
                       BV_STEP=launch.value_step, BK_STEP=launch.key_step, BN=1, CHUNK=64,
                       USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                      DOT_PRECISION=_dot_precision(dtype), SCALAR_GATE=False)  # fmt: skip
+                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
     types = _typed(dtype, "q", "k", "v", "beta", "w", "chunk_states", "dstates", "grad_o",
                    "v_new_rows", "d_ru_rows", "dv")  # fmt: skip
     low = "*fp32" if dtype == "fp32" else f"*{dtype}"  # fp32 inputs: no low-precision tiles
@@ -450,8 +444,7 @@ REPRESENTATIVE = [
     "chunk_prepare_kernel/all",
     "chunk_recurrence_kernel/bf16/columns=64",
     "chunk_bwd_prepare_kernel/all",
-    "chunk_bwd_wy_kernel/scalar_gate=False",
-    "chunk_bwd_wy_kernel/scalar_gate=True",
+    "chunk_bwd_wy_kernel",
     "chunk_bwd_pairs_kernel/all",
     "chunk_bwd_gate_kernel/scalar_gate=False",
     "chunk_bwd_recompute_kernel/scalar_gate=False",
