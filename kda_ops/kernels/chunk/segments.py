@@ -35,13 +35,16 @@ def recurrence_segments(
 
 
 def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: int) -> int:
-    """1 (one serial scan per sequence) unless the sequences are long and too few to fill
-    the SMs even with their value columns split as narrowly as a scan splits them
-    (``SCAN_COLUMN_SPLITS[0]``); then the largest power of two ``S`` with
-    ``batch * value_heads * S`` at most the SM count and segments of at least
-    ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Where split value columns already fill the
-    SMs, segments would only add the maps pass."""
-    if batch * value_heads * cdiv(head_v, SCAN_COLUMN_SPLITS[0]) >= sms:
+    """1 (one serial scan per sequence) unless the sequences are long and so few that,
+    with their value columns split as narrowly as a scan splits them
+    (``SCAN_COLUMN_SPLITS[0]``), they leave at least half the SMs idle; then the largest
+    power of two ``S`` with ``batch * value_heads * S`` at most the SM count and segments
+    of at least ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Where split value columns
+    nearly fill the SMs, segments only add the maps pass: on an H100, 1 x 32768 tokens at
+    32 value heads (128 programs on 132 SMs) took 2140 µs in one pass against 2348 in 4
+    segments, while 1 x 131072 at 16 (64 programs) took 7666 in one pass against 4806 in 8
+    (``benchmarks/results/long_sequence_variants_*_h100.json``)."""
+    if 2 * batch * value_heads * cdiv(head_v, SCAN_COLUMN_SPLITS[0]) > sms:
         return 1
     segments = 1
     while (

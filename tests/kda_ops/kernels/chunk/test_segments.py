@@ -42,8 +42,11 @@ def test_segmented_recurrence(segments, initial_state):
         (1, 8192, 16, 1),
         (1, 131072, 64, 1),  # 64 heads x 4 column blocks already fill 132 SMs
         (2, 131072, 32, 1),
+        (1, 32768, 32, 1),  # 128 programs of 32 columns nearly fill 132 SMs
+        (1, 32768, 8, 4),  # 32 programs: a quarter of the SMs
     ],
 )
 def test_segment_count(batch, length, value_heads, expected):
-    """Segments only where split value columns leave SMs idle, on an H200's 132 SMs."""
+    """Segments only where split value columns leave at least half the SMs idle, on an
+    H100's or H200's 132 SMs."""
     assert segment_count(batch, length, value_heads, 128, 132) == expected
