@@ -8,8 +8,13 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
 1. The chunk function computes float16 inputs in float32: the chunk kernels' fp16
    intermediates (w, u, qg, kd, Aqk) missed FLA's tolerances.
 2. It computes bfloat16 inputs past ``BF16_CHUNK_MAX_KEY_DIM`` key columns in float32:
-   the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU (its
-   fp32 build is exact there).
+   the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU in the
+   training forward's 64-token steps, which take one pipeline stage there (an H100,
+   Triton 3.6: ``benchmarks/results/recurrence_probe_h100.jsonl``, also wrong from the
+   fp32 prepare's intermediates, so the recurrence's); the inference forward's 16-token
+   steps were exact at K = 192 and 256 with every stage, warp and column setting tried.
+   One rule for both until the training step is fixed, since a call's forward and
+   backward must compute in one dtype.
 3. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
    compute dtype.
 4. float64 inputs run the reference on any device: it is the oracle's dtype, which the

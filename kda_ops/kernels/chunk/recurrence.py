@@ -139,6 +139,17 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
     return precision != "ieee" and step < CHUNK
 
 
+# Found with ``tools/recurrence_probe.py`` on an H100 (Triton 3.6, bf16;
+# ``benchmarks/results/recurrence_probe_h100.jsonl``): in 64-token steps the unmasked loop
+# is exact while every step is full (T = 1024) and wrong once a partial step follows it
+# (T = 1000, 4113: state error ~1.5), and past 128 key columns the masked loop at one
+# pipeline stage is wrong for every T. What the two share is a 64-row step in a loop of
+# one stage (the partial step's loop takes ``MASKED_STAGES`` = 1); 16-row steps at one
+# stage were exact. No production launch takes either: 64-token steps take the masked
+# loop, and at up to 128 key columns two or three stages; bf16 past 128 computes in fp32
+# (``kda_ops.plan``).
+
+
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
                         final_state, chunk_states, precision,
                         window: tuple[int, int] = (0, 0)) -> list[KernelLaunch]:  # fmt: skip
