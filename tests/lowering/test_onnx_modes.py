@@ -1,10 +1,10 @@
 """lowering.onnx's standard mode (opset 27: LinearAttention, CausalConvWithState) and the
 chunked portable form (opset 18): every op's export runs in onnxruntime equal to the
 PyTorch op in fp32 (KDA and Gated DeltaNet, grouped value heads, both gate forms, beta
-scaled by allow_neg_eigval, V-first states, initial state in and final state out, T = 1
-and T > 64 not a multiple of 64), passes onnx's full check, and holds the nodes its mode
-promises (onnx's reference evaluator agrees on the standard graphs); packed sequences are
-refused in standard mode."""
+scaled by allow_neg_eigval, V-first states, initial state in and final state out, T = 1,
+T > 64 not a multiple of 64 and T over one 256-token step), passes onnx's full check, and
+holds the nodes its mode promises (onnx's reference evaluator agrees on the standard
+graphs); packed sequences are refused in standard mode."""
 
 import numpy as np
 import onnx
@@ -19,7 +19,8 @@ from lowering import onnx_standard
 from tests.lowering.test_onnx import OpCase
 
 MODES = ("standard", "portable")
-LENGTHS = (1, 70, 130)  # one token, two chunks, three chunks (neither a multiple of 64)
+LENGTHS = (1, 70, 130, 300)  # one token, 2 and 3 chunks of 64 (neither a multiple of 64),
+# and more than one 256-token step of the chunked form, its last partial
 DIM = 8
 
 
