@@ -2,10 +2,11 @@
 and the PyTorch CPU op, in ``--rounds`` rounds of rotated order.
 
 Forms (``lowering.onnx`` modes): ``token`` (opset 18, a ``Scan`` over tokens), ``portable``
-(opset 18, a ``Scan`` over 64-token chunks of matrix products) and ``standard`` (opset 27,
-onnxruntime's own ``LinearAttention``). Each session gets ``--threads`` intra-op threads
-and one inter-op thread; PyTorch gets the same (``torch.set_num_threads``). Every form's
-output is checked against the PyTorch op before it is timed.
+(opset 18, 32-token chunks of matrix products in a ``Scan`` over steps of 8 chunks) and
+``standard`` (opset 27, onnxruntime's own ``LinearAttention``). Each session gets
+``--threads`` intra-op threads and one inter-op thread; PyTorch gets the same
+(``torch.set_num_threads``). Every form's output is checked against the PyTorch op before it
+is timed.
 
 Usage: ``python benchmarks/onnx_forms.py [--length 2048] [--heads 4] [--dim 64]
 [--threads 1 2] [--gates kda gdn] [--rounds 5] [--shared-machine | --no-shared-machine]

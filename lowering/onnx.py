@@ -5,8 +5,8 @@ Four modes, each a ``custom_translation_table`` (:func:`translation_table`; user
 
 - ``"standard"`` (opset 27): ONNX's own ``LinearAttention`` and ``CausalConvWithState``
   after standard pre-processing nodes (:mod:`lowering.onnx_standard`). No packed sequences.
-- ``"portable"`` (opset 18): the chunk prefill as matrix products over 64-token chunks
-  with a ``Scan`` over chunks (:mod:`lowering.onnx_chunked`); the decode step
+- ``"portable"`` (opset 18): the chunk prefill as matrix products over 32-token chunks
+  in a ``Scan`` over steps of 8 chunks (:mod:`lowering.onnx_chunked`); the decode step
   (``kda.recurrent``) a ``Scan`` over tokens carrying the ``[B, HV, K, V]`` float32
   state; the conv a grouped ``Conv`` over the history concatenated with the input; gate
   and gated RMSNorm elementwise. Math in float32.

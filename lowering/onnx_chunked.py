@@ -1,23 +1,30 @@
 """The chunked delta rule of portable mode (:mod:`lowering.onnx`, opset 18): ``kda.chunk``
-as matrix products over 64-token chunks, a ``Scan`` over chunks carrying the state.
+as matrix products over 32-token chunks, in a ``Scan`` over steps of 8 chunks whose body
+does all of a step's work.
 
 It mirrors ``reference.chunk_delta_rule`` (the UT/WY form of DESIGN.md §2). Per chunk of
-C = 64 tokens with in-chunk cumulative log-decay G:
+C tokens with in-chunk cumulative log-decay G and Γ = exp(G):
 
-- ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and ``Akk = tril(diag(β) (K ⊙ Γ)(K / Γ)ᵀ, -1)``: the
-  pairwise factors are ``exp(G_i - G_j)`` per channel, never a ratio of decays.
-- ``T = (I + Akk)⁻¹`` (unit lower triangular), ``U = T diag(β) V``,
-  ``W = T diag(β) (K ⊙ Γ)``;
-- across chunks ``S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S)``: the serial ``Scan``
-  takes two ``[C, K] × [K, V]``-sized products per chunk, ``U' = U - W S`` and the update,
-  and returns each chunk's starting state S₀ and ``U'``; then, for every chunk at once,
-  ``O = (Q ⊙ Γ) S₀ + Aqk U'``. (Forming ``M = diag(Γ_C) - K̃ᵀ W`` and ``E = K̃ᵀ U`` for
-  all chunks, so that the step is one product, costs two products more.)
+- ``Aqk = tril((Q ⊙ Γ)(K / Γ)ᵀ)`` and ``Akk = tril((K ⊙ Γ)(K / Γ)ᵀ, -1)``: the pairwise
+  factors are ``exp(G_i - G_j)`` per channel, never a ratio of decays;
+- ``T = (I + diag(β) Akk)⁻¹`` (unit lower triangular), ``U = T diag(β) V``,
+  ``W = T diag(β) (K ⊙ Γ)``: β scales the ``[C, C]`` matrices' rows and columns, not the
+  ``[C, D]`` ones;
+- across chunks ``S ← diag(Γ_C) S + K̃ᵀ (U - W S)``, ``K̃ = K ⊙ Γ_C / Γ``: two ``[C, K] ×
+  [K, V]``-sized products per chunk, ``U' = U - W S`` and the update; then, for every chunk
+  of the step at once, ``O = (Q ⊙ Γ) S₀ + Aqk U'`` from each chunk's starting state S₀.
+  (Forming ``M = diag(Γ_C) - K̃ᵀ W`` and ``E = K̃ᵀ U`` for all chunks, so that the serial
+  step is one product, costs two products more.)
 
-Everything but the ``Scan`` is batched over (chunks, batch, heads), in that order: the
-``Scan`` slices its inputs along their first axis (onnxruntime transposes a scan input
-whose scan axis is another one). For T = 2048, H = 4, D = 64 the matrix products are
-~0.2 G multiply-adds.
+Why steps: onnxruntime runs each node over its whole tensor, so a graph batched over the
+whole sequence streams ``[chunks, heads, C, C]`` tensors (2 MiB at T = 2048) through
+memory some 60 times, at about a quarter of the speed it runs the same node on a step's
+256 KiB, which stays in the CPU's cache. A step (:data:`STEP_CHUNKS` chunks) gathers its
+tokens head-major from the inputs, applies the in-kernel options (l2norm, gate, beta's
+sigmoid), does every within-chunk product for its chunks at once, unrolls the serial part
+over them and writes its outputs; the ``Scan`` carries the state from step to step.
+32-token chunks cost half the within-chunk products of 64-token ones per token for twice
+the serial steps, the cheaper trade here (measured: ``docs/onnx.md``).
 
 Per-channel decay (KDA) with the safe gate and a lower bound of -5 or above (K3's): the
 pairwise factors of every pair of 16-token blocks (b, c) at once, row block b factored at
@@ -26,67 +33,69 @@ exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``. Off the diagonal (
 three factors are at most 1, so one that underflows stands for a product that does; on
 it (c = b) the bound keeps the middle factor within ``exp(75)`` and the outer ones above
 ``exp(-75)``, inside float32 (FlashKDA's 16-token rule). The middle factor scales the
-keys (``[.., b, C, K]``, four times their size), and one batched product gives ``Aqk``,
-another ``diag(β) Akk``. Without a bound, for any log-decay ``g <= 0``
-(what both gate forms produce), by recursive halving of the chunk: a block's causal pairs
-are those within each half (recursion) and those from its second half to its first,
-whose factor splits at ``r``, the last token of the first half: ``exp(G_i - G_j) =
-exp(G_i - G_r) · exp(G_r - G_j)`` with ``j <= r < i``, both factors at most 1, one matrix
-product per block; a one-token block is ``x_i · k_i``. Neither forms a ``[C, C, K]``
-tensor (the reference's ``exp(G_i - G_j)`` over all causal pairs costs 64 times the
-inputs' size). A scalar decay per head (Gated DeltaNet) takes the ``[C, C]`` matrix
-``exp(G_i - G_j + m)``, m = -inf where the pair is not causal (strictly, for ``Akk``).
+keys (``[.., b, C, K]``, twice their size), and one batched product gives ``Aqk``,
+another ``Akk``. Without a bound, for any log-decay ``g <= 0`` (what both gate forms
+produce), by recursive halving of the chunk: a block's causal pairs are those within each
+half (recursion) and those from its second half to its first, whose factor splits at
+``r``, the last token of the first half: ``exp(G_i - G_j) = exp(G_i - G_r) · exp(G_r -
+G_j)`` with ``j <= r < i``, both factors at most 1, one matrix product per block; a
+one-token block is ``x_i · k_i``. Neither forms a ``[C, C, K]`` tensor (the reference's
+``exp(G_i - G_j)`` over all causal pairs costs C times the inputs' size). A scalar decay
+per head (Gated DeltaNet) takes the ``[C, C]`` matrix ``exp(G_i - G_j + m)``, m = -inf
+where the pair is not causal (strictly, for ``Akk``).
 
 The triangular inverse is recursive: ``(I + L)⁻¹`` of a 16×16 block is the nilpotent
 product ``(I - L)(I + L²)(I + L⁴)(I + L⁸)`` (``L¹⁶ = 0``); two halves combine as
 ``[[T₁, 0], [-T₂ L₂₁ T₁, T₂]]``.
+
+Shaped for onnxruntime's CPU kernels (each choice measured): inside a step the tensors
+are ``[B HV, n, C, D]``, reached by Reshapes only (the tokens are gathered head-major, so
+no Transpose moves the layout; a 5-D Transpose that onnxruntime's transpose optimizer
+merged with those feeding products transposed moved the innermost axis, ten times
+slower); products read their transposed operands through a Transpose that onnxruntime
+folds into them; scalar constants are rank-matched (a rank-0 operand against a tensor
+whose last dim is 1 is broadcast one element at a time); the per-step token indices are
+computed once, before the ``Scan``, which slices them without a copy and writes each
+step's outputs straight into the stacked result.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
 import onnx
-from onnxscript import FLOAT, graph, script
+import onnxscript
+from onnxscript import ir
 from onnxscript import opset18 as op
 
 from lowering import onnx as kda_onnx
 
-CHUNK = 64  # tokens per chunk, as reference.CHUNK_SIZE
+CHUNK = 32  # tokens per chunk: the UT transform's size
+STEP_CHUNKS = 8  # chunks per Scan step: a step's [B HV, n, C, C] tensors stay in cache
 BLOCK = 16  # the triangular inverse's blocks inverted by the nilpotent product
 # The safe gate's decay per token is above its lower bound, so a block of BLOCK tokens
 # factored at its first token has factors within exp(±(BLOCK - 1) * 5) = exp(±75), inside
 # float32 (exp(88.7)) with room for |k| up to 1e5: such blocks are one product each.
 FACTORED_BLOCK_LOWER_BOUND = -5.0
 ELEMENTWISE_HALF = 2  # halves up to this size pair up by broadcast products, not MatMul
+_scan_ids = itertools.count()  # a prefix for each Scan body's value names
 
 Value = kda_onnx.Value
 
 
-@script()
-def chunk_scan(
-    state: FLOAT, w: FLOAT, u: FLOAT, keys: FLOAT, decay: FLOAT
-) -> tuple[FLOAT, FLOAT, FLOAT]:
-    """The serial part, per chunk: ``U' = U_c - W_c S``, ``S ← Γ_c ⊙ S + K̃_cᵀ U'``.
-    state ``[B, HV, K, V]``; scanned over their first axis (NC): w ``[NC, B, HV, C, K]``,
-    u ``[NC, B, HV, C, V]``, keys K̃ ``[NC, B, HV, C, K]``, decay Γ_c (the chunk's
-    total decay) ``[NC, B, HV, Kg, 1]``. Returns (final state, the state at each chunk's
-    start ``[NC, B, HV, K, V]``, ``U'`` ``[NC, B, HV, C, V]``)."""
-
-    @graph()
-    def step(s: FLOAT[...], w_c: FLOAT[...], u_c: FLOAT[...], k_c: FLOAT[...], d_c: FLOAT[...]):
-        new_values = u_c - op.MatMul(w_c, s)
-        # K̃ᵀ through a Transpose that onnxruntime folds into the product (transA).
-        update = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new_values)
-        return d_c * s + update, op.Identity(s), new_values
-
-    final, starts, new_values = op.Scan(state, w, u, keys, decay, body=step, num_scan_inputs=4)
-    return final, starts, new_values
-
-
 def _const(array: np.ndarray) -> Value:
     return op.Constant(value=onnx.numpy_helper.from_array(array))
+
+
+def _scalar(value: float) -> Value:
+    """A float32 ``[1, 1, 1, 1]``: onnxruntime broadcasts a rank-0 operand against a
+    tensor whose last dim is 1 one element at a time (some 9 µs for 1024 of them), a
+    rank-matched one at full speed."""
+    return _const(np.full((1, 1, 1, 1), value, dtype=np.float32))
 
 
 def _unit_lower_inverse(lower: Value, n: int) -> Value:
@@ -113,35 +122,10 @@ def _unit_lower_inverse(lower: Value, n: int) -> Value:
     return op.Concat(op.Concat(top, zeros, axis=-1), op.Concat(corner, bottom, axis=-1), axis=-2)
 
 
-def _by_chunks(x: Value, padding: Value, heads: int, trailing: list[int]) -> Value:
-    """``[B, T, heads, *trailing]`` -> ``[NC, B, HV, C, *trailing]`` with T zero-padded to
-    ``NC * C`` (a padding token has k = v = beta = 0 and no decay: it leaves the state as
-    it is, and its output is cut)."""
-    rank = 3 + len(trailing)
-    pads = op.Concat(
-        op.Constant(value_ints=[0] * (rank + 1)), padding,
-        op.Constant(value_ints=[0] * (rank - 2)), axis=0,
-    )  # fmt: skip
-    padded = op.Pad(x, pads)
-    shaped = op.Reshape(padded, op.Constant(value_ints=[0, -1, CHUNK, heads, *trailing]))
-    perm = [1, 0, 3, 2, *range(4, rank + 1)]
-    return op.Transpose(shaped, perm=perm)
-
-
-def _transposed(x: Value) -> Value:
-    """``[NC, B, HV, R, D]`` -> ``[NC, B, HV, D, R]``. Through 3-D: onnxruntime's graph
-    optimizer merges a 5-D Transpose with the chunk layout's into one that moves the
-    innermost axis, which it runs about ten times slower."""
-    rows, cols = op.Shape(x, start=3, end=4), op.Shape(x, start=4, end=5)
-    flat = op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), rows, cols, axis=0))
-    batch = op.Shape(x, start=0, end=3)
-    return op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), op.Concat(batch, cols, rows, axis=0))
-
-
 def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value]:
-    """``(Aqk, Akk)`` before masking, ``[NC, B, HV, C, C]``: ``sum_c x_i[c] k_j[c]
-    exp(G_i[c] - G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere).
-    q, k, cum ``[NC, B, HV, C, K]``.
+    """``(Aqk, Akk)`` before masking, ``[N, n, C, C]``: ``sum_c x_i[c] k_j[c] exp(G_i[c] -
+    G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere). q, k, cum
+    ``[N, n, C, K]``.
 
     Recursive halving: a block's pairs are those within its two halves (recursion) and
     those from its second half to its first, which split every factor at ``r``, the last
@@ -149,48 +133,46 @@ def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Valu
     factor at most 1 for a log-decay ``g <= 0``, one matrix product per block. A
     one-token block is the plain product ``x_i · k_i``. For any log-decay ``g <= 0``; with
     a known lower bound :func:`_blockwise_decayed` takes fewer nodes."""
-    rows = op.Concat(op.Unsqueeze(q, [3]), op.Unsqueeze(k, [3]), axis=3)  # [.., 2, C, K]
-    # [.., 2, C, 1, 1]: the diagonal, exp(0) = 1.
-    blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [3]), [-1], keepdims=0), [-1, -2])
+    rows = op.Concat(op.Unsqueeze(q, [2]), op.Unsqueeze(k, [2]), axis=2)  # [N, n, 2, C, K]
+    # [N, n, 2, C, 1, 1]: the diagonal, exp(0) = 1.
+    blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [2]), [-1], keepdims=0), [-1, -2])
     half = 1
     while half < CHUNK:
         count = CHUNK // (2 * half)
-        split = op.Constant(value_ints=[0, 0, 0, count, 2, half, head_k])
-        cum_b, k_b = op.Reshape(cum, split), op.Reshape(k, split)  # [.., m, 2, h, K]
-        rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 0, 2, count, 2, half, head_k]))
-        ref = op.Slice(cum_b, [0, half - 1], [1, half], [4, 5])  # [.., m, 1, 1, K]
-        to_ref = op.Exp(op.Slice(cum_b, [1], [2], [4]) - ref)  # [.., m, 1, h, K], <= 1
-        from_ref = op.Exp(ref - op.Slice(cum_b, [0], [1], [4]))  # [.., m, 1, h, K], <= 1
-        second = op.Slice(rows_b, [1], [2], [5]) * op.Unsqueeze(to_ref, [3])
-        first = op.Unsqueeze(op.Slice(k_b, [0], [1], [4]) * from_ref, [3])
+        split = op.Constant(value_ints=[0, 0, count, 2, half, head_k])
+        cum_b, k_b = op.Reshape(cum, split), op.Reshape(k, split)  # [N, n, m, 2, h, K]
+        rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 2, count, 2, half, head_k]))
+        ref = op.Slice(cum_b, [0, half - 1], [1, half], [3, 4])  # [N, n, m, 1, 1, K]
+        to_ref = op.Exp(op.Slice(cum_b, [1], [2], [3]) - ref)  # [N, n, m, 1, h, K], <= 1
+        from_ref = op.Exp(ref - op.Slice(cum_b, [0], [1], [3]))  # [N, n, m, 1, h, K], <= 1
+        second = op.Slice(rows_b, [1], [2], [4]) * op.Unsqueeze(to_ref, [2])
+        first = op.Unsqueeze(op.Slice(k_b, [0], [1], [3]) * from_ref, [2])
         if half <= ELEMENTWISE_HALF:  # tiny products: cheaper as a broadcast sum
             corner = op.ReduceSum(
                 op.Unsqueeze(second, [-2]) * op.Unsqueeze(first, [-3]), [-1], keepdims=0
             )
         else:
-            corner = op.MatMul(second, op.Transpose(first, perm=[0, 1, 2, 3, 4, 5, 7, 6]))
-        # [.., 2, m, 1, h, h] each: assemble [[top, 0], [corner, bottom]].
-        paired = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 0, 2, count, 2, half, half]))
-        top = op.Slice(paired, [0], [1], [5])
-        bottom = op.Slice(paired, [1], [2], [5])
+            corner = op.MatMul(second, op.Transpose(first, perm=[0, 1, 2, 3, 4, 6, 5]))
+        # [N, n, 2, m, 1, h, h] each: assemble [[top, 0], [corner, bottom]].
+        paired = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 2, count, 2, half, half]))
+        top = op.Slice(paired, [0], [1], [4])
+        bottom = op.Slice(paired, [1], [2], [4])
         zeros = op.Expand(op.Constant(value_float=0.0), op.Shape(top))
         blocks = op.Concat(
             op.Concat(top, zeros, axis=-1), op.Concat(corner, bottom, axis=-1), axis=-2
         )
         half *= 2
-    full = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 0, 2, CHUNK, CHUNK]))
-    aqk = op.Squeeze(op.Slice(full, [0], [1], [3]), [3])
-    akk = op.Squeeze(op.Slice(full, [1], [2], [3]), [3])
+    full = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 2, CHUNK, CHUNK]))
+    aqk = op.Squeeze(op.Slice(full, [0], [1], [2]), [2])
+    akk = op.Squeeze(op.Slice(full, [1], [2], [2]), [2])
     return aqk, akk
 
 
-def _blockwise_decayed(
-    q: Value, k: Value, beta_k: Value, cum: Value, head_k: int
-) -> tuple[Value, Value]:
-    """``(Aqk, β Akk)`` masked (causal, and strictly causal for ``Akk``), ``[NC, B, HV,
-    C, C]``, for a log-decay bounded below by :data:`FACTORED_BLOCK_LOWER_BOUND`: every
-    pair of the chunk's 16-token blocks at once. q, k, ``beta_k`` (β ⊙
-    k), cum ``[NC, B, HV, C, K]``.
+def _blockwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value, Value]:
+    """The decayed products of a log-decay bounded below by
+    :data:`FACTORED_BLOCK_LOWER_BOUND`, every pair of a chunk's 16-token blocks at once.
+    q, k, cum ``[N, n, C, K]``. Returns ``Aqk`` and ``Akk`` masked (causal; strictly for
+    ``Akk``) ``[N, n, C, C]``, and ``K̃ = K ⊙ Γ_C / Γ`` ``[N, n, C, K]``.
 
     Row block b is factored at its first token ``r_b``, column block c at its last token
     ``e_c``: ``exp(G_i - G_j) = exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``.
@@ -198,32 +180,251 @@ def _blockwise_decayed(
     product that does too; for c = b the middle one is at most ``exp(-(BLOCK - 1) *
     bound)`` = ``exp(75)`` and the outer ones at least ``exp(-75)`` (FlashKDA's 16-token
     rule); for c > b (no causal pair) the middle factor is ``exp(-inf) = 0``. The middle
-    factor scales the keys, ``[.., b, C, K]`` (four times the keys' size); one batched
-    product of q's rows with them gives ``Aqk``, one of β ⊙ k's rows ``β Akk``."""
+    factor scales the keys, ``[N, n, b, C, K]`` (C / 16 times the keys' size); one batched
+    product of q's rows with them gives ``Aqk``, one of k's rows ``Akk``. The column
+    factor comes from the row factor's exponential, ``exp(G_e_b - G_j) = exp(G_e_b -
+    G_r_b) / exp(G_j - G_r_b)`` (both within ``[exp(-75), 1]``), and ``Γ_C / Γ = exp(G_e_b
+    - G) · exp(G_C - G_e_b)``, each factor at most 1."""
     blocks = CHUNK // BLOCK
-    by_block = op.Constant(value_ints=[0, 0, 0, blocks, BLOCK, head_k])
-    cum_b = op.Reshape(cum, by_block)  # [.., NB, L, K]
-    first = op.Slice(cum_b, [0], [1], [4])  # [.., NB, 1, K]
-    last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [4])
-    to_first = op.Exp(cum_b - first)  # <= 1
-    keys_b = op.Reshape(k, by_block) * op.Exp(last - cum_b)  # [.., NB, L, K], <= 1
-    # [.., NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
+    by_block = op.Constant(value_ints=[0, 0, blocks, BLOCK, head_k])
+    cum_b = op.Reshape(cum, by_block)  # [N, n, NB, L, K]
+    first = op.Slice(cum_b, [0], [1], [3])  # [N, n, NB, 1, K]
+    last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [3])
+    to_first = op.Exp(cum_b - first)  # [N, n, NB, L, K], within [exp(-75), 1]
+    keys_b = op.Reshape(k, by_block) * (op.Exp(last - first) / to_first)  # <= 1
+    # [N, n, NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
     above = np.triu(np.full((blocks, blocks), -np.inf, dtype=np.float32), 1)
     middle = op.Exp(
-        op.Unsqueeze(first, [4]) - op.Unsqueeze(last, [3]) + _const(above[:, :, None, None])
+        op.Unsqueeze(first, [3]) - op.Unsqueeze(last, [2]) + _const(above[:, :, None, None])
     )
     keys = op.Reshape(
-        middle * op.Unsqueeze(keys_b, [3]), op.Constant(value_ints=[0, 0, 0, blocks, CHUNK, head_k])
-    )  # [.., NB(b), C, K]
+        middle * op.Unsqueeze(keys_b, [2]), op.Constant(value_ints=[0, 0, blocks, CHUNK, head_k])
+    )  # [N, n, NB(b), C, K]
     causal = np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32))
-    square = op.Constant(value_ints=[0, 0, 0, CHUNK, CHUNK])
-    results = []
-    for rows, mask in ((q, causal), (beta_k, np.tril(causal, -1))):  # Akk without diagonal
+    square = op.Constant(value_ints=[0, 0, CHUNK, CHUNK])
+    products = []
+    for rows, mask in ((q, causal), (k, np.tril(causal, -1))):  # Akk without diagonal
         rows_b = op.Reshape(rows, by_block) * to_first
         # A Transpose of its own for each product, so that onnxruntime folds each in (transB).
-        product = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 3, 5, 4]))
-        results.append(op.Reshape(product, square) * _const(mask))
-    return results[0], results[1]
+        product = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 4, 3]))
+        products.append(op.Reshape(product, square) * _const(mask))
+    chunk_last = op.Unsqueeze(op.Slice(cum, [CHUNK - 1], [CHUNK], [2]), [2])  # [N, n, 1, 1, K]
+    keys_decayed = op.Reshape(
+        keys_b * op.Exp(chunk_last - last), op.Constant(value_ints=[0, 0, CHUNK, head_k])
+    )  # fmt: skip
+    return products[0], products[1], keys_decayed
+
+
+def _recorder() -> object:
+    """The graph recorder that ``op.*`` calls write to (the exporter's, while it translates
+    an op): a step's body is recorded by another of its kind, and the Scan node, whose
+    output count its schema leaves open, is added to its node list directly."""
+    recorder = onnxscript.evaluator.default()
+    if not (hasattr(recorder, "nodes") and hasattr(recorder, "opset")):
+        raise RuntimeError(
+            "lowering.onnx_chunked: the chunked delta rule is built inside torch.onnx's "
+            f"exporter (its graph recorder), not under {type(recorder).__name__}"
+        )
+    return recorder
+
+
+def _scan(
+    carried: Value, scanned: list[Value], step: Callable[..., tuple[Value, ...]]
+) -> list[Value]:
+    """``Scan`` over axis 0 of ``scanned`` carrying ``carried`` (float32): the body is
+    ``step(carried, *slices)`` -> (new carried, *per-step outputs), recorded into a graph
+    of its own (it reads the enclosing graph's values as outer-scope names). Returns
+    (final carried, each per-step output stacked on a new axis 0)."""
+    outer = _recorder()
+    value = type(carried)  # the exporter's value class, with Python operators
+    prefix = f"chunk_steps{next(_scan_ids)}_"
+
+    def body_input(name: str, like: Value) -> Value:
+        shape = None if like.shape is None else ir.Shape(list(like.shape)[1:])
+        return value(outer.opset, name=f"{prefix}{name}", shape=shape, type=like.type)
+
+    state = value(outer.opset, name=f"{prefix}state", shape=carried.shape,
+                  type=ir.TensorType(ir.DataType.FLOAT))  # fmt: skip
+    slices = [body_input(f"scanned{i}", x) for i, x in enumerate(scanned)]
+    recorder = type(outer)(outer.opset, {})  # constants of its own: none shared with outer
+    with onnxscript.evaluator.default_as(recorder):
+        results = step(state, *slices)
+    # Names of their own: the exporter names the enclosing graph's values only, and a
+    # name the body shares with them breaks the model's single assignment.
+    for number, node in enumerate(recorder.nodes):
+        node.name = f"{prefix}node{number}"
+        for index, output in enumerate(node.outputs):
+            output.name = f"{prefix}{number}_{index}"
+    body = ir.Graph([state, *slices], list(results), nodes=recorder.nodes, name="chunk_steps")
+    outputs = [value(outer.opset) for _ in results]
+    attributes = [ir.AttrGraph("body", body), ir.AttrInt64("num_scan_inputs", len(scanned))]
+    outer.nodes.append(ir.Node("", "Scan", [carried, *scanned], attributes, outputs=outputs))
+    return outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """What a step needs to gather and prepare its tokens, built once before the Scan.
+
+    ``sources`` are q, k, v, g, beta viewed ``[B, T h, D]`` (``[B, T h]`` for one value a
+    head), h their head count: a ``Gather`` along axis 1 of indices ``t h + head`` ``[HV,
+    S]`` reads a step's tokens head-major, ``[B, HV, S, D]``, with no Transpose; q and k
+    read head ``h // group`` for value head h, so grouped value heads cost no repeat.
+    ``rate`` and ``bias`` are the gate's parameters expanded to a step's ``[1, HV, S,
+    Kg]``, so that the gate's first two nodes take operands of one shape (onnxruntime
+    broadcasts at about half the speed)."""
+
+    sources: tuple[Value, Value, Value, Value, Value]
+    rate: Optional[Value]
+    bias: Optional[Value]
+    gate_width: int
+
+
+def _gate_parameters(
+    A_log: Optional[Value], dt_bias: Optional[Value], value_heads: int, gate_width: int,
+    lower_bound: Optional[float],
+) -> tuple[Optional[Value], Optional[Value]]:  # fmt: skip
+    """``(rate, bias)`` ``[1, HV, S, Kg]`` of the gate ``lower_bound · σ(rate g + bias)``
+    (bias = rate dt_bias) or ``-rate softplus(g + bias)`` (bias = dt_bias), rate =
+    exp(A_log); None where there is no gate or no dt_bias."""
+    if A_log is None:
+        return None, None
+    grid = op.Constant(value_ints=[1, value_heads, STEP_CHUNKS * CHUNK, gate_width])
+    rate = op.Reshape(op.Exp(kda_onnx._f32(A_log)), op.Constant(value_ints=[value_heads, 1, 1]))
+    bias = None
+    if dt_bias is not None:
+        bias = op.Reshape(
+            kda_onnx._f32(dt_bias), op.Constant(value_ints=[value_heads, 1, gate_width])
+        )
+        if lower_bound is not None:
+            bias = rate * bias
+        bias = op.Expand(bias, grid)
+    return op.Expand(rate, grid), bias
+
+
+def _l2norm(x: Value, scale: float) -> Value:
+    """``scale · x / sqrt(sum(x²) + 1e-6)`` over the last dim of x ``[B, HV, S, D]``
+    (FLA's eps placement, as :func:`lowering.onnx._l2norm`), with rank-matched constants
+    and the sum of squares as ``ReduceSum(x ⊙ x)`` (faster in onnxruntime than
+    ``ReduceSumSquare``)."""
+    squares = op.ReduceSum(x * x, [-1], keepdims=1)
+    return x * (_scalar(scale) / op.Sqrt(squares + _scalar(kda_onnx.L2NORM_EPS)))
+
+
+def _step_tokens(
+    plan: _Tokens, index_qk: Value, index_v: Value, valid: Value, A_log: Optional[Value],
+    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+) -> tuple[Value, Value, Value, Value, Value]:  # fmt: skip
+    """A step's tokens gathered head-major (``index_*`` ``[HV, S]``: rows of
+    ``plan.sources``) with the in-kernel options applied, as
+    :func:`lowering.onnx.prepare_delta_rule` does, laid out ``[N, n, C, D]`` (N = B HV, a
+    Reshape): float32 q (scaled), k, v, the log-decay (D = K, or 1 for a decay per head)
+    and beta (D = 1). ``valid`` ``[1, 1, S, 1]`` (1, or 0 past the sequence's end) zeroes
+    beta and the log-decay of the tokens the last step repeats past T, which leaves them
+    inert: no Pad, as only the last step has such tokens."""
+    q, k, v, g, beta = plan.sources
+    qf = kda_onnx._f32(op.Gather(q, index_qk, axis=1))  # [B, HV, S, K]
+    kf = kda_onnx._f32(op.Gather(k, index_qk, axis=1))
+    if use_qk_l2norm:  # the scale folded into q's norm
+        qf, kf = _l2norm(qf, scale), _l2norm(kf, 1.0)
+    else:
+        qf = qf * _scalar(scale)
+    log_decay = kda_onnx._f32(op.Gather(g, index_v, axis=1))  # [B, HV, S, K] or [B, HV, S]
+    if plan.gate_width == 1:
+        log_decay = op.Unsqueeze(log_decay, [-1])
+    if A_log is None:
+        log_decay = log_decay * valid
+    elif lower_bound is not None:
+        x = log_decay * plan.rate
+        x = x if plan.bias is None else x + plan.bias
+        log_decay = op.Sigmoid(x) * (_scalar(lower_bound) * valid)
+    else:
+        x = log_decay if plan.bias is None else log_decay + plan.bias
+        log_decay = kda_onnx._softplus(x) * (op.Neg(plan.rate) * valid)
+    beta_f = kda_onnx._f32(op.Gather(beta, index_v, axis=1))  # [B, HV, S]
+    if use_beta_sigmoid:
+        beta_f = op.Sigmoid(beta_f)
+    beta_f = op.Unsqueeze(beta_f, [-1]) * valid
+    vf = kda_onnx._f32(op.Gather(v, index_v, axis=1))
+    head_k = q.shape[-1]
+    widths = [head_k, head_k, v.shape[-1], plan.gate_width, 1]
+    chunked = [
+        op.Reshape(x, op.Constant(value_ints=[-1, STEP_CHUNKS, CHUNK, width]))
+        for x, width in zip([qf, kf, vf, log_decay, beta_f], widths)
+    ]
+    chunked[3].shape = ir.Shape([None, None, None, plan.gate_width])  # read by _within_chunks
+    return tuple(chunked)
+
+
+def _within_chunks(
+    q: Value, k: Value, v: Value, log_decay: Value, beta: Value, head_k: int, safe_gate: bool
+) -> tuple[Value, Value, Value, Value, Value, Value]:
+    """Everything that does not depend on the state, for every chunk of a step at once:
+    q, k ``[N, n, C, K]`` (N = B HV), v ``[N, n, C, V]``, log_decay ``[N, n, C, Kg]`` (Kg = 1
+    for a decay per head), beta ``[N, n, C, 1]``. Returns (Aqk ``[N, n, C, C]``, W ``[N, n,
+    C, K]``, U ``[N, n, C, V]``, Q ⊙ Γ ``[N, n, C, K]``, K̃ ``[N, n, C, K]``, the chunk's
+    total decay ``[N, n, Kg, 1]``)."""
+    per_head = log_decay.shape is not None and log_decay.shape[-1] == 1
+    cum = op.CumSum(log_decay, op.Constant(value_int=2))
+    last = op.Slice(cum, [CHUNK - 1], [CHUNK], [2])  # [N, n, 1, Kg]
+    if safe_gate and not per_head:
+        aqk, akk, keys = _blockwise_decayed(q, k, cum, head_k)
+    else:
+        if per_head:
+            # [N, n, 2, C, C]: exp(G_i - G_j) over causal pairs (strictly causal for Akk),
+            # 0 elsewhere: -inf added where the pair is none, so no overflow and no mask.
+            pair = op.Unsqueeze(cum - op.Transpose(cum, perm=[0, 1, 3, 2]), [2])
+            causal = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+            none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
+            decays = op.Exp(pair + _const(none.astype(np.float32)))
+            # One product for both, q's and k's rows stacked (onnxruntime's batched MatMul
+            # costs about as much per matrix as per multiply-add at these sizes), kᵀ
+            # through a Transpose that onnxruntime folds into it.
+            rows = op.Concat(q, k, axis=2)  # [N, n, 2 C, K]
+            both = op.MatMul(rows, op.Transpose(k, perm=[0, 1, 3, 2]))
+            both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, CHUNK, CHUNK])) * decays
+            aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
+        else:
+            aqk, akk = _pairwise_decayed(q, k, cum, head_k)
+            akk = akk * _const(np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32), -1))
+        keys = k * op.Exp(last - cum)
+    gamma = op.Exp(cum)  # Γ <= 1: one that underflows stands for a product that does
+    # β enters through the [C, C] matrices, not the [C, D] ones: diag(β) Akk, T diag(β).
+    inverse = _unit_lower_inverse(akk * beta, CHUNK)
+    inverse = inverse * op.Reshape(beta, op.Constant(value_ints=[0, 0, 1, CHUNK]))
+    u = op.MatMul(inverse, v)
+    w = op.MatMul(inverse, k * gamma)
+    decay = op.Reshape(op.Exp(last), op.Constant(value_ints=[0, 0, -1, 1]))
+    return aqk, w, u, q * gamma, keys, decay
+
+
+def _chunk_parts(x: Value) -> list[Value]:
+    """``[N, n, ...]`` -> n tensors ``[N, 1, ...]``."""
+    if STEP_CHUNKS == 1:
+        return [x]
+    return list(op.Split(x, axis=1, num_outputs=STEP_CHUNKS))
+
+
+def _across_chunks(
+    state: Value, aqk: Value, w: Value, u: Value, q_decayed: Value, keys: Value, decay: Value
+) -> tuple[Value, Value]:
+    """The serial part over a step's chunks, unrolled: per chunk ``U' = U - W S``,
+    ``S ← Γ_C ⊙ S + K̃ᵀ U'``; then for all of them at once ``O = (Q ⊙ Γ) S₀ + Aqk U'``
+    from each chunk's starting state S₀. state ``[N, 1, K, V]``, the rest as
+    :func:`_within_chunks` returns them. Returns (the state after the step, O ``[N, n, C,
+    V]``)."""
+    starts, new_values = [], []
+    for w_c, u_c, k_c, d_c in zip(*map(_chunk_parts, (w, u, keys, decay))):
+        starts.append(state)
+        new = u_c - op.MatMul(w_c, state)
+        # K̃ᵀ through a Transpose that onnxruntime folds into the product (transA).
+        state = d_c * state + op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new)
+        new_values.append(new)
+    if STEP_CHUNKS > 1:
+        starts, new_values = op.Concat(*starts, axis=1), op.Concat(*new_values, axis=1)
+    else:
+        starts, new_values = starts[0], new_values[0]
+    return state, op.MatMul(q_decayed, starts) + op.MatMul(aqk, new_values)
 
 
 def chunked_delta_rule(
@@ -231,70 +432,85 @@ def chunked_delta_rule(
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
     scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
 ) -> tuple[Value, Value]:  # fmt: skip
-    """``kda.chunk`` in 64-token chunks (portable mode). A one-token call (T = 1 known at
-    export) and packed sequences (``cu_seqlens``) take the token ``Scan``
-    (:func:`lowering.onnx.portable_delta_rule`)."""
+    """``kda.chunk`` in steps of :data:`STEP_CHUNKS` chunks of :data:`CHUNK` tokens
+    (portable mode). A one-token call (T = 1 known at export) and packed sequences
+    (``cu_seqlens``) take the token ``Scan`` (:func:`lowering.onnx.portable_delta_rule`)."""
     if cu_seqlens is not None or q.shape[1] == 1:
         return kda_onnx.portable_delta_rule(
             q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
             use_qk_l2norm, use_beta_sigmoid,
         )  # fmt: skip
-    qf, kf, vf, log_decay, beta_f, state = kda_onnx.prepare_delta_rule(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_beta_sigmoid,
+    heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    group, gate_width = value_heads // heads, 1 if len(g.shape) == 3 else head_k
+    safe_gate = (
+        A_log is not None and lower_bound is not None
+        and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
     )  # fmt: skip
-    value_heads, head_k, head_v = v.shape[2], q.shape[3], v.shape[3]
-    per_head = len(g.shape) == 3
-    length = op.Shape(q, start=1, end=2)
-    chunk = op.Constant(value_ints=[CHUNK])
-    padding = op.Mod(chunk - op.Mod(length, chunk), chunk)
-    q_c = _by_chunks(qf, padding, value_heads, [head_k])  # [NC, B, HV, C, K]
-    k_c = _by_chunks(kf, padding, value_heads, [head_k])
-    v_c = _by_chunks(vf, padding, value_heads, [head_v])
-    gate_width = 1 if per_head else head_k
-    g_c = _by_chunks(log_decay, padding, value_heads, [gate_width])
-    beta_c = op.Unsqueeze(_by_chunks(beta_f, padding, value_heads, []), [-1])  # [NC, B, HV, C, 1]
-    cum = op.CumSum(g_c, op.Constant(value_int=3))
-    last = op.Slice(cum, [CHUNK - 1], [CHUNK], [3])  # [NC, B, HV, 1, Kg]
-    strict = _const(np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32), -1))
-    lower = None
-    beta_k = beta_c * k_c
-    if per_head:
-        # [.., 2, C, C]: exp(G_i - G_j) over causal pairs (strictly causal for Akk), 0
-        # elsewhere: -inf added where the pair is none, so no overflow and no mask after.
-        pair = op.Unsqueeze(cum - op.Transpose(cum, perm=[0, 1, 2, 4, 3]), [3])
-        causal = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
-        none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
-        decays = op.Exp(pair + _const(none.astype(np.float32)))
-        # One product for both: a Transpose feeding two MatMuls runs on its own.
-        rows = op.Concat(op.Unsqueeze(q_c, [3]), op.Unsqueeze(beta_k, [3]), axis=3)
-        both = op.MatMul(rows, op.Unsqueeze(_transposed(k_c), [3])) * decays
-        aqk, lower = (op.Squeeze(x, [3]) for x in op.Split(both, num_outputs=2, axis=3))
-    elif (
-        A_log is not None
-        and lower_bound is not None
-        and (lower_bound >= FACTORED_BLOCK_LOWER_BOUND)
-    ):
-        aqk, lower = _blockwise_decayed(q_c, k_c, beta_k, cum, head_k)
+    tokens = STEP_CHUNKS * CHUNK
+    if initial_state is None:
+        state = kda_onnx._zeros(q, value_heads, head_k, head_v)
     else:
-        aqk, akk = _pairwise_decayed(q_c, k_c, cum, head_k)
-    if lower is None:
-        lower = beta_c * akk * strict
-    inverse = _unit_lower_inverse(lower, CHUNK)
-    gamma = op.Exp(cum)
-    u_base = op.MatMul(inverse, beta_c * v_c)  # [NC, B, HV, C, V]
-    w = op.MatMul(inverse, beta_k * gamma)  # [NC, B, HV, C, K]
-    # Across chunks S ← diag(Γ_C) S + (K ⊙ Γ_C / Γ)ᵀ (U - W S): in the Scan, two products
-    # per chunk (forming M = diag(Γ_C) - K̃ᵀ W and E = K̃ᵀ U for all chunks would take
-    # two more, of the same size, outside it).
-    keys = k_c * op.Exp(last - cum)
-    decay = op.Transpose(op.Exp(last), perm=[0, 1, 2, 4, 3])  # [.., Kg, 1]
-    final, starts, new_values = chunk_scan(state, w, u_base, keys, decay)
-    # O = (Q ⊙ Γ) S + Aqk (U - W S), for all chunks at once.
-    o = op.MatMul(q_c * gamma, starts) + op.MatMul(aqk, new_values)
-    o = op.Reshape(op.Transpose(o, perm=[1, 0, 3, 2, 4]),
-                   op.Constant(value_ints=[0, -1, value_heads, head_v]))  # fmt: skip
-    o = op.Slice(o, op.Constant(value_ints=[0]), length, op.Constant(value_ints=[1]))
+        state = kda_onnx._f32(initial_state)
+    batch, length = op.Shape(q, start=0, end=1), op.Shape(q, start=1, end=2)
+
+    def flat(x: Value) -> Value:  # [B, T, h, D] -> [B, T h, D]; [B, T, h] -> [B, T h]
+        width = [x.shape[3]] if len(x.shape) == 4 else []
+        flattened = op.Reshape(x, op.Constant(value_ints=[0, -1, *width]))
+        flattened.shape = ir.Shape([None, None, *width])  # read by _step_tokens
+        return flattened
+
+    rate, bias = _gate_parameters(A_log, dt_bias, value_heads, gate_width, lower_bound)
+    plan = _Tokens(
+        sources=(flat(q), flat(k), flat(v), flat(g), flat(beta)), rate=rate, bias=bias,
+        gate_width=gate_width,
+    )  # fmt: skip
+    # Every step's token indices [steps, HV, S] and validity [steps, 1, 1, S, 1], once: the
+    # Scan slices them. Past T a step repeats the last token, made inert there.
+    steps = op.Div(length + op.Constant(value_ints=[tokens - 1]), op.Constant(value_ints=[tokens]))
+    wanted = op.Range(
+        op.Constant(value_int=0), op.Squeeze(steps * op.Constant(value_ints=[tokens])),
+        op.Constant(value_int=1),
+    )  # fmt: skip
+    at = op.Reshape(
+        op.Min(wanted, length - op.Constant(value_ints=[1])),
+        op.Constant(value_ints=[-1, 1, tokens]),
+    )  # fmt: skip
+    value_head = _const(np.arange(value_heads, dtype=np.int64).reshape(1, -1, 1))
+    index_v = at * op.Constant(value_int=value_heads) + value_head
+    index_qk = index_v
+    if group > 1:  # value head h reads q / k head h // group
+        head = _const((np.arange(value_heads, dtype=np.int64) // group).reshape(1, -1, 1))
+        index_qk = at * op.Constant(value_int=heads) + head
+    valid = op.Reshape(
+        op.Cast(op.Less(wanted, length), to=onnx.TensorProto.FLOAT),
+        op.Constant(value_ints=[-1, 1, 1, tokens, 1]),
+    )  # fmt: skip
+
+    def step(state: Value, index_qk: Value, index_v: Value, valid: Value) -> tuple[Value, Value]:
+        parts = _step_tokens(
+            plan, index_qk, index_v, valid, A_log, scale, lower_bound, use_qk_l2norm,
+            use_beta_sigmoid,
+        )  # fmt: skip
+        state, o = _across_chunks(state, *_within_chunks(*parts, head_k, safe_gate))
+        # [N, n, C, V] -> [B, HV, S, V]: a Reshape, no copy.
+        return state, op.Reshape(o, op.Constant(value_ints=[-1, value_heads, tokens, head_v]))
+
+    carried = op.Reshape(state, op.Constant(value_ints=[-1, 1, head_k, head_v]))
+    final, o = _scan(carried, [index_qk, index_v, valid], step)
+    # [steps, B, HV, S, V] -> [B, T, HV, V]: one Gather of rows ((t // S · B + b) HV + h) S
+    # + t % S, which also drops the tokens past T.
+    t = op.Range(op.Constant(value_int=0), op.Squeeze(length), op.Constant(value_int=1))
+    b = op.Range(op.Constant(value_int=0), op.Squeeze(batch), op.Constant(value_int=1))
+    per_token = op.Constant(value_ints=[1, -1, 1])
+    step_tokens = op.Constant(value_int=tokens)
+    row = op.Reshape(op.Div(t, step_tokens), per_token) * op.Squeeze(batch)
+    row = row + op.Reshape(b, op.Constant(value_ints=[-1, 1, 1]))  # [B, T, 1]
+    row = row * op.Constant(value_int=value_heads) + op.Reshape(
+        value_head, op.Constant(value_ints=[1, 1, -1])
+    )
+    row = row * step_tokens + op.Reshape(op.Mod(t, step_tokens), per_token)  # [B, T, HV]
+    o = op.Gather(op.Reshape(o, op.Constant(value_ints=[-1, head_v])), row, axis=0)
+    final = op.Reshape(final, op.Constant(value_ints=[-1, value_heads, head_k, head_v]))
     if v.dtype == onnx.TensorProto.FLOAT:  # a Cast to its own type still copies
         return o, final
     return op.Cast(o, to=v.dtype), final

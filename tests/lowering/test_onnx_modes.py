@@ -1,10 +1,10 @@
 """lowering.onnx's standard mode (opset 27: LinearAttention, CausalConvWithState) and the
 chunked portable form (opset 18): every op's export runs in onnxruntime equal to the
 PyTorch op in fp32 (KDA and Gated DeltaNet, grouped value heads, both gate forms, beta
-scaled by allow_neg_eigval, V-first states, initial state in and final state out, T = 1
-and T > 64 not a multiple of 64), passes onnx's full check, and holds the nodes its mode
-promises (onnx's reference evaluator agrees on the standard graphs); packed sequences are
-refused in standard mode."""
+scaled by allow_neg_eigval, V-first states, initial state in and final state out, T = 1,
+T > 64 not a multiple of 64 and T over one 256-token step), passes onnx's full check, and
+holds the nodes its mode promises (onnx's reference evaluator agrees on the standard
+graphs); packed sequences are refused in standard mode."""
 
 import numpy as np
 import onnx
@@ -19,7 +19,8 @@ from lowering import onnx_standard
 from tests.lowering.test_onnx import OpCase
 
 MODES = ("standard", "portable")
-LENGTHS = (1, 70, 130)  # one token, two chunks, three chunks (neither a multiple of 64)
+LENGTHS = (1, 70, 130, 300)  # one token, 2 and 3 chunks of 64 (neither a multiple of 64),
+# and more than one 256-token step of the chunked form, its last partial
 DIM = 8
 
 
@@ -100,6 +101,17 @@ RUNS = [(case, mode) for case in sorted(CASES) for mode in MODES] + [
 ]
 
 
+def _op_types(graph) -> set:
+    """The op types of a graph's nodes and of its subgraphs' (Loop and Scan bodies)."""
+    types = set()
+    for node in graph.node:
+        types.add(node.op_type)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                types |= _op_types(attribute.g)
+    return types
+
+
 def _export(case, mode, path):
     fn, inputs = CASES[case]()
     module = OpCase(fn)
@@ -118,7 +130,7 @@ def test_onnxruntime_matches_pytorch(case, mode, tmp_path):
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
     assert proto.opset_import[0].version == kda_onnx.MODE_OPSETS[mode]
-    op_types = {node.op_type for node in proto.graph.node}
+    op_types = _op_types(proto.graph)
     assert NODES[mode]["conv" if case.startswith("conv") else "delta"] <= op_types
     if mode == "standard":
         assert "Scan" not in op_types  # nothing token-serial outside the standard ops
@@ -141,13 +153,21 @@ def test_onnxruntime_matches_pytorch(case, mode, tmp_path):
 
 
 def test_portable_chunk_is_chunked_and_standard_has_no_varlen(tmp_path):
-    """Portable mode's prefill scans over chunks (its Scan carries [B, HV, NC, K, K]
-    transitions), not tokens; a packed-sequence call has no standard translation."""
+    """Portable mode's prefill is a Scan over steps of chunks (its body carries the state
+    [B HV, 1, K, V] and batches its products over the step's chunks), not over tokens; the
+    decode step is the token Scan; a packed-sequence call has no standard translation."""
     fn, inputs = CASES["kda_gva_safe_gate_state"]()
     program = torch.export.export(OpCase(fn), inputs(6))
     proto = kda_onnx.export_onnx(program, str(tmp_path / "p.onnx"), "portable")
     scans = [node for node in proto.graph.node if node.op_type == "Scan"]
     assert len(scans) == 2  # the chunked prefill and the token decode step
+    bodies = [
+        {node.op_type for node in onnx.helper.get_attribute_value(a).node}
+        for scan in scans for a in scan.attribute if a.name == "body"
+    ]  # fmt: skip
+    chunked = [body for body in bodies if "CumSum" in body]
+    assert len(chunked) == 1 and "MatMul" in chunked[0]
+    assert not {"Scan", "Loop"} & chunked[0]
     with pytest.raises(ValueError, match="cu_seqlens"):
         onnx_standard.standard_delta_rule(*[None] * 8, object(), 1.0, None, True, True)
     with pytest.raises(ValueError, match="cu_seqlens"):
