@@ -25,12 +25,14 @@ import torch
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 from harness import import_flash_kda, kernel_times_us, rotated_rounds
 from ops import (
+    GDN_OPTIONS,
     LOWER_BOUND,
     NAMES,
     VARLEN,
     chunk_options,
     flash_kda_call,
     flash_kda_supports,
+    gdn_inputs,
     kda_inputs,
     varlen_cu_seqlens,
 )
@@ -96,24 +98,34 @@ def main() -> None:
                         help="the forward's packed varlen lengths in --length tokens")  # fmt: skip
     parser.add_argument("--forward", action="store_true",
                         help="the forward alone, FlashKDA's and ours in one pass too")  # fmt: skip
+    parser.add_argument("--gdn", type=int, default=None, metavar="HV",
+                        help="Gated DeltaNet with HV value heads (--heads q/k heads; "
+                             "ours alone: fla-core refuses GDN training, FLA #640)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="rounds of rotated order")
     add_arguments(parser, "kernel_split")
     args = parser.parse_args()
     results = Results.from_args("kernel_split", args)
-    x = kda_inputs(1, args.length, args.heads)
-    options = dict(chunk_options(None if args.softplus else LOWER_BOUND),
-                   disable_recompute=args.disable_recompute)  # fmt: skip
+    if args.gdn is not None:
+        x = gdn_inputs(1, args.length, args.heads, args.gdn)
+        options = dict(GDN_OPTIONS, disable_recompute=args.disable_recompute)
+    else:
+        x = kda_inputs(1, args.length, args.heads)
+        options = dict(chunk_options(None if args.softplus else LOWER_BOUND),
+                       disable_recompute=args.disable_recompute)  # fmt: skip
     step_name = "forward" if args.forward else "forward + backward"
     if args.varlen:
         options["cu_seqlens"] = varlen_cu_seqlens(args.length)
         step_name += f" varlen {len(VARLEN) - 1} seqs"
-    case = f"chunk_kda {step_name} B=1 T={args.length} H={args.heads} D=128 bf16" + (
+    heads = f"H={args.heads}" + ("" if args.gdn is None else f" HV={args.gdn} gdn")
+    case = f"chunk_kda {step_name} B=1 T={args.length} {heads} D=128 bf16" + (
         ", softplus gate" if args.softplus else "") + (
         ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: B=1 T={args.length} "
           f"H={args.heads} D=128 bf16, {options}")  # fmt: skip
     steps = forward_steps(x, options) if args.forward else training_steps(x, options)
+    if args.gdn is not None:  # FLA's KDA functions are not its GDN; FlashKDA is KDA only
+        steps = {name: call for name, call in steps.items() if name.startswith("kda-ops")}
 
     def profiled(library: str) -> Counter:
         grad = torch.no_grad() if args.forward else contextlib.nullcontext()

@@ -12,7 +12,10 @@
 # launch setting), memcheck (its unmasked 64-token case under compute-sanitizer), models
 # (benchmarks/transformers_models.py: each transformers hybrid
 # family under FLA eager, stock torch.compile and kda-ops, MODELS families, default all,
-# inside BENCH_S). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
+# inside BENCH_S), sanitize (compute-sanitizer on the open faults and wrong answers, in
+# the background, SANITIZE_S each; the fuzz cases FUZZ_INDICES rerun alone; with .branch/
+# (a `git archive` of another branch's kda_ops) its fuzz case 3 too; `wait` waits for
+# them), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
 # image's packages), and FlashKDA from .peers/FlashKDA where it was built.
 # .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
 # (13.5 MB), all py3-none-any. transformers 5.24.0 needs no other wheel: the image's
@@ -57,7 +60,7 @@ for phase in "$@"; do
     echo "== $phase $(date -u +%T)"
     case "$phase" in
     tests)
-        timeout "$TESTS_S" python3 -m pytest -q -x -p no:cacheprovider "${FORWARD_TESTS[@]}" \
+        timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider "${FORWARD_TESTS[@]}" \
             2>&1 | tee "$OUT/tests.log" | tail -n 30
         ;;
     tests_all)
@@ -117,6 +120,43 @@ for phase in "$@"; do
             --out "$OUT/transformers_models.json" 2>&1 | tee "$OUT/transformers_models.log" \
             | tail -n 60
         ;;
+    sanitize)
+        # memcheck: the bf16 64-token recurrence at K = 192 (illegal address) and the GDN
+        # bf16 training case; racecheck: K = 256 at one stage and the unmasked loop, wrong.
+        S=${SANITIZE_S:-240}
+        probe='python3 tools/recurrence_probe.py --case'
+        sanitized() {  # name tool command...
+            local name=$1 tool=$2
+            shift 2
+            timeout "$S" compute-sanitizer --tool "$tool" --print-limit 12 "$@" \
+                >"$OUT/sanitize_$name.log" 2>&1
+            echo "sanitize $name rc=$?" >>"$OUT/sanitize_$name.log"
+        }
+        sanitized k192_memcheck memcheck $probe '{"K": 192, "V": 128, "chunk": 64, "T": 200}' &
+        sanitized k256_racecheck racecheck $probe '{"K": 256, "V": 128, "chunk": 64, "T": 200}' &
+        sanitized unmasked_racecheck racecheck $probe \
+            '{"K": 128, "V": 128, "T": 100, "chunk": 64, "UNMASKED_FULL_STEPS": true}' &
+        sanitized fuzz3_memcheck memcheck python3 tools/fuzz.py --seed 0 --index 3 &
+        if [ -d .branch ]; then
+            PYTHONPATH="$PWD/.branch:$PYTHONPATH" sanitized branch_fuzz3_memcheck memcheck \
+                python3 tools/fuzz.py --seed 0 --index 3 &
+        fi
+        for index in ${FUZZ_INDICES:-}; do
+            timeout "$S" python3 tools/fuzz.py --seed "${FUZZ_SEED:-0}" --index "$index" --json \
+                >"$OUT/fuzz_index_$index.json" 2>"$OUT/fuzz_index_$index.err" &
+        done
+        ;;
+    wait)
+        wait
+        tail -n 6 "$OUT"/sanitize_*.log
+        tail -c 1500 "$OUT"/fuzz_index_*.json 2>/dev/null
+        ;;
+    gdn_split)
+        # Where the GDN training step's time goes, kernel by kernel.
+        timeout "${GDN_S:-$BENCH_S}" python3 benchmarks/kernel_split.py --no-shared-machine \
+            --gdn 32 --heads 16 --length 32768 --out "$OUT/kernel_split_gdn_training.json" \
+            2>&1 | tail -n 30
+        ;;
     fla_suite)
         timeout "$TESTS_S" python3 tools/fla_suite.py 2>&1 | tee "$OUT/fla_suite.log" | tail -n 30
         ;;
@@ -126,4 +166,5 @@ for phase in "$@"; do
         ;;
     esac
 done
+wait
 echo "== done $(date -u +%T)"

@@ -184,6 +184,27 @@ def run(case: dict, device: str) -> dict:
     return dict(status="wrong" if bad else "pass", errors=errors, over=bad, seconds=seconds)
 
 
+def failure_site(error: BaseException) -> dict:
+    """Where ``error`` was raised: the innermost kda_ops frame (``file:line function``) and,
+    where a Triton kernel's launch raised it (a compile error, OutOfResources), the
+    kernel's name and its launch's non-tensor arguments (constexprs, warps, stages)."""
+    site: dict = {}
+    trace = error.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        path = frame.f_code.co_filename
+        if "kda_ops" in path:
+            site["frame"] = f"{path.split('kda_ops')[-1]}:{trace.tb_lineno} {frame.f_code.co_name}"
+        runner = frame.f_locals.get("self")
+        fn = getattr(runner, "fn", None)
+        if callable(fn) and "kwargs" in frame.f_locals and "kernel" not in site:
+            site["kernel"] = getattr(fn, "__name__", repr(fn))
+            site["launch"] = {name: value for name, value in frame.f_locals["kwargs"].items()
+                              if isinstance(value, (bool, int, float, str))}  # fmt: skip
+        trace = trace.tb_next
+    return site
+
+
 def command(case: dict) -> str:
     return f"python tools/fuzz.py --seed {case['seed']} --index {case['index']}"
 
@@ -223,7 +244,8 @@ def main() -> None:
         try:
             result = dict(case, **run(case, device), device=device)
         except Exception as error:  # a supported call must not raise: reported, not hidden
-            result = dict(case, status="error", error=repr(error)[:2000], device=device)
+            result = dict(case, status="error", error=repr(error)[:2000], device=device,
+                          **failure_site(error))  # fmt: skip
         result["command"] = command(case)
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
