@@ -82,8 +82,10 @@ for phase in "$@"; do
             --out "$OUT/long_sequence.json" 2>&1 | tail -n 60
         ;;
     probe)
-        # The bf16 chunk path's open questions (tools/recurrence_probe.py).
+        # The bf16 chunk path's open questions (tools/recurrence_probe.py; PROBE_CASES, a
+        # JSON list of cases, in place of its default set).
         timeout "${PROBE_S:-$BENCH_S}" python3 tools/recurrence_probe.py --jobs 8 \
+            ${PROBE_CASES:+--cases "$PROBE_CASES"} \
             --json "$OUT/recurrence_probe.jsonl" 2>&1 | tee "$OUT/recurrence_probe.log" | tail -n 80
         ;;
     memcheck)
@@ -110,7 +112,7 @@ for phase in "$@"; do
         ;;
     fuzz)
         timeout "${FUZZ_S:-$TESTS_S}" python3 tools/fuzz.py --cases "${FUZZ_CASES:-300}" \
-            --seed "${FUZZ_SEED:-0}" --jobs 4 --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
+            --seed "${FUZZ_SEED:-0}" --first "${FUZZ_FIRST:-0}" --jobs "${FUZZ_JOBS:-4}" --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
             | tail -n 40
         ;;
     models)

@@ -14,6 +14,7 @@ Usage, from the repository root on a CUDA machine::
 
     python tools/recurrence_probe.py --json probe.jsonl [--jobs 6] [--cell-timeout 240]
     python tools/recurrence_probe.py --case '{"K": 256, "V": 128, ...}'   # one case
+    python tools/recurrence_probe.py --cases '[{"K": 256, ...}, ...]' --json probe.jsonl
 
 A case whose relative error passes FLA's bf16 tolerance (1e-2 for o and the state)
 prints ``ok``; the JSON line holds both errors, NaN counts and the exit code.
@@ -189,6 +190,7 @@ def run_isolated(case: Case, timeout: float) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", help="one case as JSON (Case's fields), run in this process")
+    parser.add_argument("--cases", help="a JSON list of cases to run in place of the default set")
     parser.add_argument("--json", type=Path, help="where the results go, a JSON line a case")
     parser.add_argument("--jobs", type=int, default=6)
     parser.add_argument("--cell-timeout", type=float, default=240.0)
@@ -196,7 +198,7 @@ def main() -> None:
     if args.case is not None:
         print(json.dumps(run_case(Case(**json.loads(args.case)))), flush=True)
         return
-    cases = default_cases()
+    cases = default_cases() if args.cases is None else [Case(**c) for c in json.loads(args.cases)]
     failed = 0
     with ThreadPoolExecutor(args.jobs) as pool:
         for result in pool.map(lambda c: run_isolated(c, args.cell_timeout), cases):
