@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's driver: ``tools/device_run.sh PHASE...`` from the repository root runs
-# each phase in turn under its own time limit and writes logs and results under $OUT.
+# each phase in turn under its own time limit and writes logs and results under $OUT, packed
+# at the end into $OUT/results.tgz.
 #
 # Phases: tests (the GDN and forward GPU tests), tests_all (every GPU test), variants (the
 # long sequence with forced chunk / segment choices, KDA and GDN), gdn (benchmarks/ops.py's
@@ -170,3 +171,5 @@ for phase in "$@"; do
 done
 wait
 echo "== done $(date -u +%T)"
+# Everything in one archive: only a few files come back from the device.
+(cd "$OUT" && tar czf results.tgz --remove-files --exclude results.tgz -- *)

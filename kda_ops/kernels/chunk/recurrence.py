@@ -36,7 +36,9 @@ from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import longest_first
 
 
-@triton.jit
+# A length of 1, specialized, takes more shared memory (fp32, K = 256: 245760 bytes
+# against 212992) than Hopper has; the launch planning assumes an unspecialized length.
+@triton.jit(do_not_specialize=["length"])
 def chunk_recurrence_kernel(
     w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_chunks,
     sequence_order, length, first_head, window_begin, o, final_state, chunk_states,

@@ -528,3 +528,21 @@ def test_launches_up_to_128_columns_as_tuned():
                 assert launch == (min(block_v, 32), min(block, 32), 4, stages)
     assert [rebuild_blocks(k) for k in (16, 60, 64, 100, 128)] == [
         (1, 16), (1, 64), (1, 64), (2, 64), (2, 64)]  # fmt: skip
+
+
+def test_scan_kernels_take_their_length_unspecialized():
+    """The variants compiled here take ``length`` as an i32, as the GPU launches them only if
+    Triton does not specialize it: a length of 1 becomes a constant, a variant that at
+    K = 256 in fp32 needs 245760 bytes (the recurrence) and 253952 (the dS scan) of
+    shared memory, past Hopper's 232448 (a one-token training call failed so on an H100)."""
+    from kda_ops.kernels.chunk.backward.state import chunk_bwd_state_kernel
+    from kda_ops.kernels.chunk.recurrence import chunk_recurrence_kernel
+
+    for kernel in (chunk_recurrence_kernel, chunk_bwd_state_kernel):
+        # The interpreter keeps triton.jit's arguments in kwargs; the compiler's JITFunction
+        # turns them into argument indices.
+        options = getattr(kernel, "kwargs", None) or {}
+        names = options.get("do_not_specialize") or [
+            kernel.arg_names[i] for i in getattr(kernel, "do_not_specialize", ())
+        ]
+        assert "length" in names, kernel.fn.__name__

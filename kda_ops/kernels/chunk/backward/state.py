@@ -20,7 +20,9 @@ from kda_ops.kernels.sizes import cdiv
 from kda_ops.reference import longest_first
 
 
-@triton.jit
+# A length of 1, specialized, takes more shared memory (fp32, K = 256: 253952 bytes
+# against 221184) than Hopper has; the launch planning assumes an unspecialized length.
+@triton.jit(do_not_specialize=["length"])
 def chunk_bwd_state_kernel(
     w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, chunk_offsets,
     sequence_order, length, first_head, dv_new, dstates, grad_initial_state,
