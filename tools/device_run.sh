@@ -16,7 +16,8 @@
 # inside BENCH_S), sanitize (compute-sanitizer on the open faults and wrong answers, in
 # the background, SANITIZE_S each; the fuzz cases FUZZ_INDICES rerun alone; with .branch/
 # (a `git archive` of another branch's kda_ops) its fuzz case 3 too; `wait` waits for
-# them), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
+# them; SANITIZE_JOBS names a subset), fuzz_wide (the bf16 cases past 128 key columns with
+# kda_ops.plan's bf16 limit raised; FUZZ_ARGS: more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
 # image's packages), and FlashKDA from .peers/FlashKDA where it was built.
 # .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
 # (13.5 MB), all py3-none-any. transformers 5.24.0 needs no other wheel: the image's
@@ -113,8 +114,16 @@ for phase in "$@"; do
         ;;
     fuzz)
         timeout "${FUZZ_S:-$TESTS_S}" python3 tools/fuzz.py --cases "${FUZZ_CASES:-300}" \
-            --seed "${FUZZ_SEED:-0}" --first "${FUZZ_FIRST:-0}" --jobs "${FUZZ_JOBS:-4}" --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
+            --seed "${FUZZ_SEED:-0}" --first "${FUZZ_FIRST:-0}" --jobs "${FUZZ_JOBS:-4}" \
+            ${FUZZ_ARGS:-} --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
             | tail -n 40
+        ;;
+    fuzz_wide)
+        # bf16 past 128 key columns through the chunk kernels (the plan's limit raised).
+        timeout "${FUZZ_WIDE_S:-150}" python3 tools/fuzz.py --cases 600 --seed "${FUZZ_SEED:-0}" \
+            --select dtype=bfloat16 --select K=192,256 \
+            --select entry=chunk,chunk_train,segmented,op,verify --bf16-chunk-max-key-dim 256 \
+            --jobs "${FUZZ_JOBS:-4}" --timeout 240 --out "$OUT/fuzz_wide.jsonl" 2>&1 | tail -n 40
         ;;
     models)
         # Each family compiles two paths for four cases: name a few in MODELS a command.
@@ -135,12 +144,16 @@ for phase in "$@"; do
                 >"$OUT/sanitize_$name.log" 2>&1
             echo "sanitize $name rc=$?" >>"$OUT/sanitize_$name.log"
         }
-        sanitized k192_memcheck memcheck $probe '{"K": 192, "V": 128, "chunk": 64, "T": 200}' &
-        sanitized k256_racecheck racecheck $probe '{"K": 256, "V": 128, "chunk": 64, "T": 200}' &
-        sanitized unmasked_racecheck racecheck $probe \
+        jobs=" ${SANITIZE_JOBS:-k192 k256 unmasked fuzz3 branch} "
+        [[ $jobs == *" k192 "* ]] && sanitized k192_memcheck memcheck $probe \
+            '{"K": 192, "V": 128, "chunk": 64, "T": 200, "BV": 32}' &
+        [[ $jobs == *" k256 "* ]] && sanitized k256_racecheck racecheck $probe \
+            '{"K": 256, "V": 128, "chunk": 64, "T": 200, "BV": 32}' &
+        [[ $jobs == *" unmasked "* ]] && sanitized unmasked_racecheck racecheck $probe \
             '{"K": 128, "V": 128, "T": 100, "chunk": 64, "UNMASKED_FULL_STEPS": true}' &
-        sanitized fuzz3_memcheck memcheck python3 tools/fuzz.py --seed 0 --index 3 &
-        if [ -d .branch ]; then
+        [[ $jobs == *" fuzz3 "* ]] && sanitized fuzz3_memcheck memcheck \
+            python3 tools/fuzz.py --seed 0 --index 3 &
+        if [[ -d .branch && $jobs == *" branch "* ]]; then
             PYTHONPATH="$PWD/.branch:$PYTHONPATH" sanitized branch_fuzz3_memcheck memcheck \
                 python3 tools/fuzz.py --seed 0 --index 3 &
         fi

@@ -20,6 +20,8 @@ Usage (from the repository root; CUDA runs the kernels, CPU the reference)::
 
     python tools/fuzz.py --cases 300 --seed 0 --out fuzz.jsonl [--jobs 4] [--timeout 300]
     python tools/fuzz.py --seed 0 --index 17          # one case, in this process
+    python tools/fuzz.py --cases 400 --select dtype=bfloat16 --select K=192,256 \
+        --bf16-chunk-max-key-dim 256                  # the drawn cases that match
 """
 
 from __future__ import annotations
@@ -209,19 +211,31 @@ def command(case: dict) -> str:
     return f"python tools/fuzz.py --seed {case['seed']} --index {case['index']}"
 
 
-def run_in_process(seed: int, index: int, timeout: float) -> dict:
-    """One case in a child process: its JSON line, or how the child died."""
+def selected(case: dict, selections: list[str]) -> bool:
+    """Whether ``case`` matches every ``KEY=VALUE[,VALUE...]`` of ``selections``."""
+    for selection in selections:
+        key, _, values = selection.partition("=")
+        if key not in case:
+            raise ValueError(f"--select {selection!r}: cases have no {key!r}")
+        if str(case[key]) not in values.split(","):
+            return False
+    return True
+
+
+def run_in_process(seed: int, index: int, timeout: float, extra: list[str]) -> dict:
+    """One case in a child process (``extra``: more arguments for it): its JSON line, or
+    how the child died."""
     case = draw(seed, index)
     try:
         done = subprocess.run([sys.executable, __file__, "--seed", str(seed), "--index",
-                               str(index), "--json"], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+                               str(index), "--json", *extra], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return dict(case, status="timeout", command=command(case))
+        return dict(case, status="timeout", command=" ".join([command(case), *extra]))
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return dict(case, status="fault", returncode=done.returncode,
-                    stderr=done.stderr[-2000:], command=command(case))  # fmt: skip
+        return dict(case, status="fault", returncode=done.returncode, stderr=done.stderr[-2000:],
+                    command=" ".join([command(case), *extra]))  # fmt: skip
     return json.loads(lines[-1])
 
 
@@ -234,11 +248,23 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a case")
     parser.add_argument("--out", default=None, help="JSON lines, one a case")
+    parser.add_argument("--select", action="append", default=[], metavar="KEY=V[,V...]",
+                        help="run only the drawn cases with these values (repeatable)")  # fmt: skip
+    parser.add_argument("--bf16-chunk-max-key-dim", type=int, default=None, metavar="K",
+                        help="raise kda_ops.plan's bf16 limit (checks the bf16 chunk kernels "
+                             "past it before the plan lets them serve calls)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    extra = []
+    if args.bf16_chunk_max_key_dim is not None:
+        extra = ["--bf16-chunk-max-key-dim", str(args.bf16_chunk_max_key_dim)]
     if args.index is not None:
         import torch
 
+        if args.bf16_chunk_max_key_dim is not None:
+            import kda_ops.plan
+
+            kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM = args.bf16_chunk_max_key_dim
         case = draw(args.seed, args.index)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -246,14 +272,17 @@ def main() -> None:
         except Exception as error:  # a supported call must not raise: reported, not hidden
             result = dict(case, status="error", error=repr(error)[:2000], device=device,
                           **failure_site(error))  # fmt: skip
-        result["command"] = command(case)
+        result["command"] = " ".join([command(case), *extra])
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
-    indices = range(args.first, args.first + args.cases)
+    indices = [i for i in range(args.first, args.first + args.cases)
+               if selected(draw(args.seed, i), args.select)]  # fmt: skip
+    print(f"{len(indices)} of {args.cases} drawn cases selected", flush=True)
     counts: dict[str, int] = {}
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (lines as they come)
     with ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(lambda i: run_in_process(args.seed, i, args.timeout), indices):
+        runs = pool.map(lambda i: run_in_process(args.seed, i, args.timeout, extra), indices)
+        for result in runs:
             counts[result["status"]] = counts.get(result["status"], 0) + 1
             if out is not None:
                 out.write(json.dumps(result) + "\n")
@@ -262,7 +291,7 @@ def main() -> None:
                 print(f"{result['status']}: {result['command']}  "
                       f"{result.get('over') or result.get('error') or result.get('returncode')}",
                       flush=True)  # fmt: skip
-    print(json.dumps(dict(seed=args.seed, cases=args.cases, counts=counts)))
+    print(json.dumps(dict(seed=args.seed, cases=len(indices), counts=counts)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = importlib.util.spec_from_file_location("fuzz", ROOT / "tools" / "fuzz.py")
 fuzz = importlib.util.module_from_spec(SPEC)
@@ -45,3 +47,30 @@ def test_a_wrong_result_is_reported_with_its_errors(monkeypatch):
     monkeypatch.setattr(fuzz, "tolerance", lambda dtype, name: 0.0)  # nothing passes
     result = fuzz.run(fuzz.draw(0, 2), "cpu")
     assert result["status"] == "wrong" and set(result["over"]) == {"o", "state"}
+
+
+def test_selections_keep_the_matching_draws_and_name_unknown_keys():
+    cases = [fuzz.draw(0, index) for index in range(200)]
+    chosen = [c for c in cases if fuzz.selected(c, ["dtype=bfloat16", "K=192,256"])]
+    assert chosen and all(c["dtype"] == "bfloat16" and c["K"] in (192, 256) for c in chosen)
+    assert len(chosen) == sum(c["dtype"] == "bfloat16" and c["K"] in (192, 256) for c in cases)
+    with pytest.raises(ValueError, match="'width'"):
+        fuzz.selected(cases[0], ["width=3"])
+
+
+def test_an_error_names_the_kernel_launch_it_came_from():
+    class Launcher:  # the shape of Triton's JITFunction.run frame: self.fn and kwargs
+        def __init__(self):
+            def some_kernel():
+                pass
+
+            self.fn = some_kernel
+
+        def run(self, *args, **kwargs):
+            raise RuntimeError("out of resources")
+
+    try:
+        Launcher().run(BK=256, num_warps=8, x=object())
+    except RuntimeError as error:
+        site = fuzz.failure_site(error)
+    assert site == {"kernel": "some_kernel", "launch": {"BK": 256, "num_warps": 8}}

@@ -182,10 +182,25 @@ def scan_warps(block_k: int) -> int:
 
 # The value-column widths a scan program may take below the whole head, narrowest first.
 SCAN_COLUMN_SPLITS = (32, 64)
+# ... past 128 key columns with 16-bit inputs in 64-token steps (``scan_column_splits``).
+WIDE_KEY_COLUMN_SPLITS = (16, 64)
+
+
+def scan_column_splits(block_k: int, itemsize: int, rows: int) -> tuple[int, ...]:
+    """The value-column widths below the whole head a scan of ``rows``-token steps may
+    take: ``SCAN_COLUMN_SPLITS``; past 128 key columns with 16-bit inputs in 64-token steps
+    ``WIDE_KEY_COLUMN_SPLITS``, no 32: there the bf16 recurrence at 32 value columns
+    returned wrong states (K = 256) or read out of bounds (K = 192) on an H100 with Triton
+    3.6, at 4 warps and at 8, where 16 and 64 columns were exact
+    (``tools/recurrence_probe.py``, ``benchmarks/results/recurrence_probe_h100.jsonl``)."""
+    if block_k > 128 and itemsize <= 2 and rows == 64:
+        return WIDE_KEY_COLUMN_SPLITS
+    return SCAN_COLUMN_SPLITS
 
 
 def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
-                       three_stages_at_64: bool, widest: int = 128) -> int:  # fmt: skip
+                       three_stages_at_64: bool, widest: int = 128,
+                       splits: tuple[int, ...] = SCAN_COLUMN_SPLITS) -> int:  # fmt: skip
     """Value columns per program of a head-parallel scan over the chunks (this forward's
     recurrence, the backward's reverse scan) on ``sm_count`` SMs (``None`` off CUDA): the
     fewest that still leave every program an SM of its own; where none does, 64 if a scan
@@ -194,14 +209,17 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
     so splitting V pays while SMs are idle; and a step at 64 columns with its loads a
     chunk ahead (3 stages) beats one at 128 waiting for its loads, even when the
     64-column programs take two waves. Without the third stage 64 columns lose to 128,
-    hence 128 then (``benchmarks/launch_sweep.py --only recurrence``). Off CUDA (the
-    interpreter) 32, so that CI covers several value blocks."""
+    hence 128 then (``benchmarks/launch_sweep.py --only recurrence``). ``splits``: the
+    narrower widths allowed (:func:`scan_column_splits`); a head of exactly a width not
+    among them takes the narrowest. Off CUDA (the interpreter) 32, so that CI covers
+    several value blocks."""
     if sm_count is None:
         return min(block_v, 32)
-    for columns in SCAN_COLUMN_SPLITS:
+    for columns in splits:
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
-    return min(block_v, 64 if three_stages_at_64 else 128, widest)
+    columns = min(block_v, 64 if three_stages_at_64 else 128, widest)
+    return splits[0] if columns in SCAN_COLUMN_SPLITS and columns not in splits else columns
 
 
 def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
@@ -216,11 +234,13 @@ def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optio
     programs taking two waves where 128-column ones take one
     (``benchmarks/results/launch_sweep_state96.json``)."""
     widest = scan_widest(block_k, itemsize)
+    splits = scan_column_splits(block_k, itemsize, rows)
     if not pipelined:
-        return scan_value_columns(block_v, sequence_heads, sm_count, False, widest), 1
+        return scan_value_columns(block_v, sequence_heads, sm_count, False, widest, splits), 1
     tiles = (itemsize, aqk_itemsize, store_output, shared_memory, rows)
     three_stages_at_64 = run_ahead and scan_stages(block_k, 64, *tiles) == 3
-    columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest)
+    columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest,
+                                 splits)  # fmt: skip
     return columns, scan_stages(block_k, columns, *tiles)
 
 
@@ -235,20 +255,27 @@ def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.d
                        run_ahead)  # fmt: skip
 
 
-def scan_launches(block_v: int, sequence_heads: int, columns: int,
-                  slots: int) -> list[tuple[int, int, int]]:  # fmt: skip
+def scan_launches(
+    block_v: int,
+    sequence_heads: int,
+    columns: int,
+    slots: int,
+    splits: tuple[int, ...] = SCAN_COLUMN_SPLITS,
+) -> list[tuple[int, int, int]]:
     """(first sequence-head, sequence-heads, value columns) of each launch of a scan that
     takes ``columns`` (``scan_value_columns``) where ``slots`` programs run at once (SMs
     × :func:`scan_residency`): one launch, unless its programs need more than one wave
     and the heads past the first wave fit one wave at half the columns; then those run in
     a second launch at half the columns, shorter steps in place of a second wave of full
     ones: the remaining heads' programs at half the columns finish sooner than a second
-    wave at full width would."""
+    wave at full width would. Half the columns only where ``splits`` allows that width
+    (:func:`scan_column_splits`)."""
     per_head = cdiv(block_v, columns)
     first_wave = slots // per_head
     rest = sequence_heads - first_wave
     half = columns // 2
-    if first_wave > 0 and rest > 0 and half >= 16 and rest * cdiv(block_v, half) <= slots:
+    allowed = half >= 16 and (half in splits or half not in SCAN_COLUMN_SPLITS)
+    if first_wave > 0 and rest > 0 and allowed and rest * cdiv(block_v, half) <= slots:
         return [(0, first_wave, columns), (first_wave, rest, half)]
     return [(0, sequence_heads, columns)]
 
@@ -275,7 +302,8 @@ def scan_plan(block_k: int, block_v: int, sequence_heads, device: torch.device, 
                                          **options)  # fmt: skip
     buffers = scan_shared(column_stages, block_k, columns, *tiles, rows)
     slots = sms * scan_residency(buffers, warps, shared)
+    splits = scan_column_splits(block_k, itemsize, rows)
     return [
         (first, heads, split, stages(split))
-        for first, heads, split in scan_launches(block_v, sequence_heads, columns, slots)
+        for first, heads, split in scan_launches(block_v, sequence_heads, columns, slots, splits)
     ]

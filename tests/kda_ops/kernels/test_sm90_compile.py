@@ -384,8 +384,10 @@ def wide_variants() -> dict[str, tuple]:
     for regime, heads in (("many", MANY_HEADS), ("few", FEW_HEADS)):
         maps = forward_scan(256, 256, "bf16", heads, maps=True)
         variants[f"K=256/V=256/forward_maps/bf16/{regime}"] = maps
-    training = forward_scan(256, 256, "bf16", MANY_HEADS, store_states=True, step=64)
-    variants["K=256/V=256/forward_scan/bf16/training"] = training
+    for regime, heads in (("many", MANY_HEADS), ("few", FEW_HEADS)):
+        # Few heads: 16 value columns at 2 stages (``scan_column_splits``).
+        training = forward_scan(256, 256, "bf16", heads, store_states=True, step=64)
+        variants[f"K=256/V=256/forward_scan/bf16/training/{regime}"] = training
     # fp32 past 128 key columns (at up to 128 the scans launch as at K = V = 128).
     variants["K=256/V=256/forward_scan/fp32"] = forward_scan(256, 256, "fp32", MANY_HEADS)
     variants["K=256/V=256/backward_scan/fp32"] = backward_scan(256, 256, "fp32", MANY_HEADS)

@@ -7,6 +7,7 @@ from kda_ops.kernels.chunk.planning import (
     WINDOW_PREPARE_REGISTERS,
     WINDOW_RECURRENCE_REGISTERS,
     prepare_warps,
+    scan_column_splits,
     scan_config,
     scan_launches,
     scan_residency,
@@ -47,7 +48,9 @@ def test_scan_launches(block_v, heads, columns, sm_count, launches):
         (128, 256, 96, 2, False, True, (64, 3)),  # the maps pass (V + K columns)
         (16, 16, 4, 2, True, True, (16, 3)),
         (256, 256, 96, 2, True, True, (64, 1)),  # past 128 key columns
-        (256, 256, 16, 2, True, True, (32, 1)),
+        (256, 256, 16, 2, True, True, (64, 1)),  # 16-bit past 128: never 32 (next test)
+        (256, 128, 8, 2, True, True, (16, 2)),
+        (256, 32, 2, 2, True, True, (16, 2)),
         (256, 16, 96, 2, True, True, (16, 2)),
         (256, 256, 96, 4, True, True, (32, 1)),
         (256, 512, 96, 2, False, True, (64, 2)),
@@ -59,6 +62,23 @@ def test_scan_config(block_k, block_v, heads, itemsize, store_output, pipelined,
     got = scan_config(block_k, block_v, heads, SMS, itemsize, itemsize, store_output,
                       SM90_SHARED_MEMORY, pipelined)  # fmt: skip
     assert got == expected
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8, 16, 33, 64, 96, 132, 200, 4096])
+@pytest.mark.parametrize("block_v", [16, 32, 64, 128, 256])
+def test_wide_keys_in_16_bits_never_take_32_value_columns_in_64_token_steps(block_v, heads):
+    """Past 128 key columns the bf16 64-token scan at 32 value columns was wrong on an H100
+    (``scan_column_splits``): no launch of it, the second wave's included, takes 32; the
+    16-token steps and fp32 still may."""
+    for store_output, run_ahead in ((True, True), (True, False), (False, True)):
+        columns, stages = scan_config(256, block_v, heads, SMS, 2, 2, store_output,
+                                      SM90_SHARED_MEMORY, run_ahead=run_ahead)  # fmt: skip
+        assert columns != 32 and columns <= block_v
+        shared = scan_shared(stages, 256, columns, 2, 2, store_output)
+        slots = SMS * scan_residency(shared, 8, SM90_SHARED_MEMORY)
+        splits = scan_column_splits(256, 2, 64)
+        assert all(c != 32 for _, _, c in scan_launches(block_v, heads, columns, slots, splits))
+    assert 32 in scan_column_splits(256, 2, FORWARD_CHUNK) + scan_column_splits(256, 4, 64)
 
 
 @pytest.mark.parametrize(
