@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from kda_ops import arguments
-from kda_ops.delta_rule import chunk_op
+from kda_ops.delta_rule_ops import chunk_op
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from kda_ops.validation import MAX_HEAD_DIM
 

@@ -90,6 +90,32 @@ def beta_for_kernel(
     return 2 * torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32))), False
 
 
+def fla_inputs(
+    check: ArgumentChecker,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    g: Tensor,
+    use_gate_in_kernel: bool,
+    A_log: Optional[Tensor],
+    dt_bias: Optional[Tensor],
+    lower_bound: Optional[float],
+    use_beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], bool]:
+    """FLA's accepted forms of q, k, v, the gate tensors and beta as the ops' inputs
+    (:func:`common_dtype`, :func:`gate_tensors`, :func:`beta_for_kernel`): ``(q, k, v,
+    beta, A_log, dt_bias, use_beta_sigmoid)``, q / k / v in one dtype."""
+    dtype = common_dtype(q, k, v)
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    A_log, dt_bias = gate_tensors(check, use_gate_in_kernel, A_log, dt_bias, lower_bound, g)
+    if isinstance(beta, Tensor):
+        beta, use_beta_sigmoid = beta_for_kernel(check, beta, use_beta_sigmoid, allow_neg_eigval)
+    return q, k, v, beta, A_log, dt_bias, use_beta_sigmoid
+
+
 def state_v_first(
     check: ArgumentChecker, state_v_first: bool, transpose_state_layout: Optional[bool]
 ) -> bool:
@@ -200,6 +226,23 @@ def host_seqlens(
         check.fail(ValueError, "`cu_seqlens_cpu` must hold at least 2 offsets [0, ..., T]")
     if not torch.compiler.is_compiling() and not is_fake(host):
         check.offsets("cu_seqlens_cpu", host, length)
+
+
+def graph_mode(
+    check: ArgumentChecker, use_graph: object, max_num_seqs: object, cu_seqlens: object
+) -> None:
+    """FLA's ``use_graph`` / ``max_num_seqs``: accepted (kda_ops' launches are capturable
+    as they are); ``max_num_seqs`` must be the number of sequences ``cu_seqlens`` holds."""
+    if not isinstance(use_graph, bool):
+        check.fail(TypeError, f"`use_graph` must be a bool, got {type(use_graph).__name__}")
+    if max_num_seqs is None:
+        return
+    if isinstance(cu_seqlens, Tensor) and max_num_seqs != cu_seqlens.shape[0] - 1:
+        check.fail(
+            ValueError,
+            f"`max_num_seqs` ({max_num_seqs}) must equal the sequences in `cu_seqlens` "
+            f"({cu_seqlens.shape[0] - 1}): pad `cu_seqlens` with empty sequences",
+        )
 
 
 def no_context_parallel(check: ArgumentChecker, cp_context: object) -> None:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kda_ops import arguments
 from kda_ops.affine import apply_map, prefix_states, segment_maps
-from kda_ops.delta_rule import chunk_op
+from kda_ops.delta_rule_ops import chunk_op
 from kda_ops.kernels.sizes import processors
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from kda_ops.validation import ArgumentChecker

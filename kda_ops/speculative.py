@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from kda_ops import arguments, kernels, reference
-from kda_ops.delta_rule import (
-    fused_recurrent_kda_inplace,
+from kda_ops.delta_rule import fused_recurrent_kda_inplace
+from kda_ops.delta_rule_ops import (
     gather_pool_states,
     recurrent_kernel_runs,
     scatter_pool_states,

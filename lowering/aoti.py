@@ -41,7 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.export import ExportedProgram
 
 from kda_ops import reference
-from kda_ops.delta_rule import chunk_op, delta_rule_reference, recurrent_op
+from kda_ops.delta_rule_ops import chunk_op, delta_rule_reference, recurrent_op
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions, flat_kernel
 from lowering.export import StatefulLM, export_step, flatten_cache, state_names
 from lowering.inductor.pass_manager import KDAPassManager

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 import kda_ops
-from kda_ops import arguments
+from kda_ops import arguments, delta_rule_ops
 from kda_ops.integrations._patch import Patch
 from kda_ops.validation import INDEX_DTYPES, ArgumentChecker
 
@@ -220,7 +220,7 @@ def _per_token_slots(
         first = num_accepted_tokens.long() - 1
     start_slots = indices.gather(1, first.clamp(min=0).view(-1, 1)).squeeze(1)
     pool_k_first = arguments.key_first(pool, state_v_first)
-    state = kda_ops.delta_rule.gather_pool_states(pool_k_first, start_slots)
+    state = delta_rule_ops.gather_pool_states(pool_k_first, start_slots)
     state = state.to(arguments.state_dtype(q))
     flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
     o = torch.zeros_like(flat[2])
@@ -238,7 +238,7 @@ def _per_token_slots(
         o[rows[live]] = o_t[live, 0]
         if inplace:
             targets = torch.where(live, indices[:, min(t, indices.shape[1] - 1)], -1)
-            kda_ops.delta_rule.scatter_pool_states(pool_k_first, targets, state)
+            delta_rule_ops.scatter_pool_states(pool_k_first, targets, state)
         else:
             per_token[rows[live]] = state[live]
     o = o.view_as(v)

@@ -45,7 +45,7 @@ from torch.fx.operator_schemas import normalize_function
 
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import arguments, kernels
-from kda_ops.delta_rule import chunk_kernels_run_as_given
+from kda_ops.delta_rule_ops import chunk_kernels_run_as_given
 from kda_ops.kernels.launches import LaunchPlan
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 from lowering.inductor.base import KDAInductorPass, PatternPass, source_hash

@@ -517,7 +517,7 @@ def test_the_chunk_op_called_directly_runs_the_kernels_in_float32(monkeypatch):
         launched.append(inputs.q.dtype)
         return kernel(inputs, *args, **kwargs)
 
-    monkeypatch.setattr(kda_ops.delta_rule, "launch_chunk_kda", recorded)
+    monkeypatch.setattr(kda_ops.delta_rule_ops, "launch_chunk_kda", recorded)
     monkeypatch.setattr(plan, "_WARNED", set())
     x = delta_rule_inputs(batch=1, length=300, heads=1, value_heads=2, head_k=192,
                           head_v=64, raw_gate=True)  # fmt: skip

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kda_ops import reference
-from kda_ops.delta_rule import saved_like
+from kda_ops.delta_rule_ops import saved_like
 from kda_ops.kernels.chunk.backward.launch import (
     launch_chunk_kda_backward,
     launch_chunk_kda_training,
