@@ -1,9 +1,9 @@
-"""CPU AOTInductor packages of transformers models' prefill and decode steps (with
-``enable()`` on, states as explicit I/O): a left-padded prefill and 8 greedy decode steps
-through the packages give eager's logits and tokens, loaded here and, as fixed-shape
-flat-state steps, in the C++ runner of ``examples/aoti_runner/`` (no Python in its process).
-Each package compiles in tens of seconds on 2 CPU cores, so two models only, with two
-layers each."""
+"""AOTInductor packages of transformers models' prefill and decode steps (with
+``enable()`` on, states as explicit I/O; CPU packages, and CUDA ones on a GPU): a
+left-padded prefill and 8 greedy decode steps through the packages give eager's logits and
+tokens, loaded here and, as fixed-shape flat-state steps, in the C++ runner of
+``examples/aoti_runner/`` (no Python in its process). Each package compiles in tens of
+seconds on 2 CPU cores, so two models only, with two layers each."""
 
 from __future__ import annotations
 
@@ -26,13 +26,11 @@ SIZES = {"qwen3_5": {}, "kimi_linear": dict(num_hidden_layers=2, layer_types=TWO
                                             mlp_layer_types=["dense"] * 2)}  # fmt: skip
 DECODE_STEPS = 8
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        torch.torch_version.TorchVersion(torch.__version__) < aoti.OLDEST_TORCH,
-        reason=f"CPU packages need torch >= {aoti.OLDEST_TORCH}",
-    ),
-]
+pytestmark = pytest.mark.slow
+CPU_PACKAGES = pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < aoti.OLDEST_TORCH,
+    reason=f"CPU packages need torch >= {aoti.OLDEST_TORCH}",
+)
 
 
 def _packages(net, directory):
@@ -72,6 +70,7 @@ def _greedy(prefill, decode, prompt, mask):
     return torch.stack(steps, dim=1)
 
 
+@CPU_PACKAGES
 @pytest.mark.parametrize("name", list(SIZES))
 @torch.no_grad()
 def test_cpu_packages_of_prefill_and_decode_equal_eager(name, tmp_path):
@@ -108,27 +107,50 @@ def _eager_greedy(net, prompt):
     return steps
 
 
+DEVICES = [pytest.param("cpu", marks=CPU_PACKAGES), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(SIZES))
 @torch.no_grad()
-def test_cpp_runner_gives_eager_tokens_for_prefill_and_decode(name, runner, tmp_path):
+def test_cpp_runner_gives_eager_tokens_for_prefill_and_decode(name, device, runner, tmp_path):
     """The flat-state packages (fixed-size KV buffers) run by the C++ runner: a prefill of
     2 prompts and 8 greedy decode steps, eager's logits and tokens; the runner refuses a
-    run longer than the buffers."""
-    net = BUILDERS[name](**SIZES[name])
+    run longer than the buffers. On CUDA the packages launch the kda Triton kernels (no
+    ``kda`` op left in their code) on the tensors the runner puts on the GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    net = BUILDERS[name](**SIZES[name]).to(device)
     integrations.enable([name])
     try:
-        package_flat_state_steps(net, tmp_path, MAX_LENGTH)
+        paths = package_flat_state_steps(net, tmp_path, MAX_LENGTH)
         prompt = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
-        expected = _eager_greedy(net, prompt)
+        expected = _eager_greedy(net, prompt.to(device))
     finally:
         integrations.disable()
     actual = runner_steps(runner, tmp_path, prompt, DECODE_STEPS)
     assert len(actual) == len(expected) == DECODE_STEPS + 1
     for (logits, tokens), (want_logits, want_tokens) in zip(actual, expected):
-        torch.testing.assert_close(logits, want_logits)
-        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(logits, want_logits.cpu())
+        assert torch.equal(tokens, want_tokens.cpu())
+    if device == "cuda":
+        _assert_kernels_and_no_op(paths)
     libraries = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
     assert "libpython" not in libraries
     too_long = [str(runner), str(tmp_path), str(MAX_LENGTH - 10), "3," * 10 + "3"]
     refused = subprocess.run(too_long, capture_output=True, text=True)
     assert refused.returncode == 1 and "max_length 32" in refused.stderr, refused.stderr
+
+
+def _assert_kernels_and_no_op(paths: dict[str, str]) -> None:
+    """A CUDA package's generated code launches the kda Triton kernels and calls no op."""
+    import zipfile
+
+    launched = {"prefill": ("chunk_recurrence", "causal_conv1d"), "decode": ("recurrent_kda",)}
+    for step, kernels in launched.items():
+        with zipfile.ZipFile(paths[step]) as archive:
+            code = "".join(archive.read(name).decode(errors="ignore")
+                           for name in archive.namelist() if name.endswith(".cpp"))  # fmt: skip
+        assert "kda::" not in code and "torch.ops.kda" not in code, step
+        for kernel in kernels:
+            assert kernel in code, (step, kernel)
