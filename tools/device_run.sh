@@ -3,6 +3,8 @@
 # each phase in turn under its own time limit and writes logs and results under $OUT, packed
 # at the end into $OUT/results.tgz.
 #
+# A phase named bg:PHASE runs in the background (its output in $OUT/PHASE.out, shown at the
+# end); `wait` waits for every background job.
 # Phases: tests (the GDN and forward GPU tests), tests_all (every GPU test), variants (the
 # long sequence with forced chunk / segment choices, KDA and GDN), gdn (benchmarks/ops.py's
 # GDN rows against FLA), kda (the KDA forward and training rows against FLA and FlashKDA),
@@ -58,7 +60,8 @@ FORWARD_TESTS=(
     "tests/kda_ops/test_gpu.py::test_chunk_backward_against_float64_reference"
 )
 
-for phase in "$@"; do
+run_phase() {
+    local phase=$1
     echo "== $phase $(date -u +%T)"
     case "$phase" in
     tests)
@@ -178,11 +181,22 @@ for phase in "$@"; do
         ;;
     *)
         echo "unknown phase $phase" >&2
-        exit 2
+        return 2
         ;;
     esac
+}
+
+for phase in "$@"; do
+    if [[ $phase == bg:* ]]; then  # in the background, its output to $OUT/NAME.out
+        run_phase "${phase#bg:}" >"$OUT/${phase#bg:}.out" 2>&1 &
+    else
+        run_phase "$phase"
+    fi
 done
 wait
+for out in "$OUT"/*.out; do
+    [ -e "$out" ] && { echo "== $(basename "$out")"; tail -n 40 "$out"; }
+done
 echo "== done $(date -u +%T)"
 # Everything in one archive: only a few files come back from the device.
 (cd "$OUT" && tar czf results.tgz --remove-files --exclude results.tgz -- *)
