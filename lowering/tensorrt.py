@@ -65,6 +65,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 TARGET = HOPPER  # the device the launches are planned for: the sm_90 GPUs of the PTX
 TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ELEMENT_TYPES = {TORCH_DTYPES[name]: element for name, element in TRITON_DTYPES.items()}
 
 Shapes = Mapping[str, tuple[Any, ...]]  # plugin input name -> shape (ints or ShapeExprs)
 Config = Mapping[str, object]  # a plugin's dims and attributes, and "dtype"
@@ -221,7 +222,7 @@ class PluginKernel:
             else:  # an input or an output (_check_roles)
                 element = "fp32" if name in self.float32_params else TRITON_DTYPES[dtype]
                 planned = args[name]
-                if planned is not None and TRITON_DTYPES[str(planned.dtype)[6:]] != element:
+                if planned is not None and ELEMENT_TYPES.get(planned.dtype) != element:
                     raise ValueError(f"{self.name}: the launcher plans {name} in "
                                      f"{planned.dtype}, the plugin declares {element}")  # fmt: skip
                 signature[name] = f"*{element}"
