@@ -8,8 +8,9 @@ Each plugin of :data:`lowering.tensorrt.PLUGINS` becomes ``kda::<name>``:
 - ``@tensorrt.plugin.autotune``: the dtype combinations (fp16 / bf16 / fp32 model dtype;
   states and gate parameters always fp32), linear layout;
 - ``@tensorrt.plugin.aot_impl``: the Triton kernel AOT-compiled to sm_90 PTX, its launch
-  parameters (grid from shape expressions, ``32 * num_warps`` threads, static shared
-  memory) and its int32 scalars as ``SymInt32`` shape expressions. No Python at run time.
+  parameters (the planned grid over shape expressions, ``32 * num_warps`` threads, static
+  shared memory) and its int32 scalars as ``SymInt32`` shape expressions. No Python at
+  run time.
 
 Plugin attributes are the ``kda``-domain ONNX node attributes of ``lowering.onnx``'s plugin
 mode (``scale``, ``lower_bound``, ``use_*`` flags, ``eps``, ``silu``); head counts and
@@ -149,13 +150,13 @@ def kernel_config(name: str, shapes: Shapes, attrs: Mapping[str, Any], dtype: st
 
 def launch_grid(name: str, shapes: Shapes, config: Mapping[str, object]) -> tuple:
     """The launch grid (ints or ``ShapeExpr`` s) for input shapes and a kernel config."""
-    kernel = SPECS[name].kernel
-    return kernel.grid(shapes, kernel.constexprs(config))
+    return SPECS[name].kernel.grid(shapes, config)
 
 
-def int_args(name: str, shapes: Shapes) -> list:
-    """The int32 scalars passed between inputs and outputs."""
-    return SPECS[name].kernel.launch_args(shapes)
+def int_args(name: str, shapes: Shapes, config: Mapping[str, object]) -> list:
+    """The int32 scalars passed between inputs and outputs, for input shapes and a kernel
+    config."""
+    return SPECS[name].kernel.launch_args(shapes, config)
 
 
 def io_float32(name: str) -> list[bool]:
@@ -315,7 +316,8 @@ def _compile_aot(name: str, *args: Any) -> tuple:
     params.grid_x, params.grid_y, params.grid_z = launch_grid(name, shapes, config)
     params.block_x = 32 * spec.kernel.warps(config)
     params.shared_mem = compiled.metadata.shared
-    scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in int_args(name, shapes)])
+    scalars = [trtp.SymInt32(e) for e in int_args(name, shapes, config)]
+    scalars = trtp.SymIntExprs.from_tuple(scalars)
     return compiled.metadata.name, compiled.asm["ptx"], params, scalars
 
 

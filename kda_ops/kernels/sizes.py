@@ -7,7 +7,9 @@ times the integer arithmetic itself; a prefill of the hybrid model makes dozens 
 calls from our launchers. These are the same arithmetic for host ints.
 """
 
+import dataclasses
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -43,3 +45,28 @@ def shared_memory(device: torch.device) -> int:
         return 0
     index = torch.cuda.current_device() if device.index is None else device.index
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSizes:
+    """What launch planning reads of a device: its streaming multiprocessors (``None`` off
+    CUDA, Triton's interpreter, which plans as for no GPU) and the bytes of shared memory a
+    block may take. A launcher plans for its tensors' device (:func:`device_sizes`) unless
+    given another: an ahead-of-time build plans for the device it compiles for
+    (:data:`HOPPER`)."""
+
+    processors: Optional[int]
+    shared_memory: int
+
+
+# The sm_90 GPUs the TensorRT plugins are compiled for (``lowering/tensorrt.py``): 132 SMs
+# (H100 SXM, H200) and 227 KB a block.
+HOPPER = DeviceSizes(processors=132, shared_memory=SM90_SHARED_MEMORY)
+
+
+@functools.cache
+def device_sizes(device: torch.device) -> DeviceSizes:
+    """:func:`processors` and :func:`shared_memory` of ``device``; no SMs off CUDA."""
+    if device.type != "cuda":
+        return DeviceSizes(processors=None, shared_memory=shared_memory(device))
+    return DeviceSizes(processors=processors(device), shared_memory=shared_memory(device))

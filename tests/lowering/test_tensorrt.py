@@ -2,6 +2,7 @@
 TensorRT's AOT launcher uses (CPU); the PTX, loaded through the CUDA driver and launched
 with exactly that argument list and grid, matches the reference (GPU)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from kda_ops import reference
+from kda_ops.kernels.chunk.launch import chunk_plan
+from kda_ops.kernels.gate import gate_launch
 from lowering import tensorrt as trt_kernels
 from tests.lowering.ptx_launch import launch_ptx
 
@@ -47,11 +50,12 @@ def abi():
 def test_plugin_kernel_ptx_has_tensorrt_aot_abi(abi, name, dtype):
     entry = abi[f"{name}/{dtype}"]
     assert entry["sm_90"]
-    assert entry["params"] == entry["expected"]  # inputs, int32s, outputs, 2 scratch
+    # inputs, int32s, outputs, then one pointer a scratch size the compiled metadata has
+    assert entry["params"] == entry["expected"]
     assert ".f32" not in entry["params"] and ".f64" not in entry["params"]  # no floats
-    # Triton's two scratch pointers are in the entry (TensorRT passes nothing there, which
-    # the launch test's null pointers stand for); with scratch sizes 0 they are never read.
-    assert entry["global_scratch_size"] == 0 and entry["profile_scratch_size"] == 0
+    # Triton's scratch pointers are in the entry (TensorRT passes nothing there, which the
+    # launch test's null pointers stand for); with scratch sizes 0 they are never read.
+    assert entry["scratch"] and set(entry["scratch"].values()) == {0}
     # TensorRT documents no opt-in past CUDA's default 48 KB of dynamic shared memory.
     assert entry["shared"] <= trt_kernels.TENSORRT_SHARED_MEMORY
 
@@ -88,7 +92,37 @@ def test_tensorrt_compile_warns_about_kernels_over_48_kb():
 
 def test_expected_abi_orders_inputs_ints_outputs():
     plugin = trt_kernels.PLUGINS["recurrent"]
-    assert trt_kernels.expected_abi(plugin) == [".u64"] * 8 + [".u32"] + [".u64"] * 4
+    assert trt_kernels.expected_abi(plugin, 2) == [".u64"] * 8 + [".u32"] + [".u64"] * 4
+
+
+def test_plan_that_branches_on_a_dynamic_dim_is_refused():
+    """A launch chosen by comparing a dynamic dim (here the gate's rows) holds for some
+    shapes only: the planning records the comparison as a guard and no plugin takes it."""
+
+    def planner(tensors, config, target):
+        rows = "R" if tensors.size("R") > 1000 else 1000
+        return gate_launch(tensors(rows, 2, 16), tensors(2, float32=True),
+                           tensors(32, float32=True), None)  # fmt: skip
+
+    plugin = dataclasses.replace(trt_kernels.PLUGINS["gate"], planner=planner)
+    with pytest.raises(ValueError, match="depends on the symbolic dims"):
+        plugin.constexprs({**CONFIG, "dtype": "float16"})
+
+
+def test_plan_that_writes_a_buffer_the_plugin_lacks_is_refused():
+    """Without the safe gate ``chunk_plan`` launches the prepare twice, the bounded launch
+    flagging chunks in an int8 buffer for the unbounded one: the single-kernel plugin has
+    no output for it, and takes the one-launch plan only."""
+
+    def planner(tensors, config, target):
+        inputs, options = trt_kernels._delta_arguments(tensors, config)
+        return chunk_plan(inputs, None, None, options, target=target).launches[0]
+
+    plugin = dataclasses.replace(trt_kernels.PLUGINS["chunk_prepare"], planner=planner)
+    config = {**CONFIG, "lower_bound": None, "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=r"writes \['unbounded'\], which are no outputs"):
+        plugin.constexprs(config)
+    assert trt_kernels.PLUGINS["chunk_prepare"].constexprs(config)["CHUNKS"] == "all"
 
 
 @pytest.mark.parametrize("name", sorted(trt_kernels.PLUGINS))
@@ -110,13 +144,14 @@ def test_gated_rms_norm_and_recurrent_ptx_launched_like_tensorrt_match_reference
     pointers, int32 scalars, output pointers, two null scratch pointers."""
     torch.cuda.init()
     cases = _gpu_cases()
+    config = {**CONFIG, "dtype": "float16"}
     for name, (inputs, outputs, expected) in cases.items():
         plugin = trt_kernels.PLUGINS[name]
         shapes = {n: tuple(t.shape) for n, t in inputs.items()}
-        grid = plugin.grid(shapes, plugin.constexprs(CONFIG))
+        grid = plugin.grid(shapes, config)
         launch_ptx(
-            plugin.compile("float16", CONFIG), grid, 32 * plugin.warps(CONFIG),
-            list(inputs.values()), plugin.launch_args(shapes), list(outputs.values()),
+            plugin.compile("float16", config), grid, 32 * plugin.warps(config),
+            list(inputs.values()), plugin.launch_args(shapes, config), list(outputs.values()),
         )  # fmt: skip
         for got, want in zip(outputs.values(), expected):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -23,8 +23,9 @@ import torch
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
 from kda_ops import reference
 from kda_ops.kernels.chunk import FORWARD_CHUNK
+from kda_ops.kernels.sizes import cdiv
 from lowering import tensorrt_plugins as qdp
-from lowering.tensorrt import compile_for_tensorrt
+from lowering.tensorrt import Placeholders, compile_for_tensorrt, shape_expression
 from tests.lowering.ptx_launch import launch_ptx
 
 HEADS, HEAD_K, HEAD_V, CHANNELS, WIDTH = 2, 16, 16, 8, 4
@@ -48,7 +49,7 @@ def launch_like_tensorrt(name: str, inputs: dict, attrs: dict) -> dict[str, torc
     grid = qdp.launch_grid(name, shapes, config)
     if torch.cuda.is_available():
         return _launch_ptx(name, config, grid, inputs, outputs)
-    ints = dict(zip(spec.kernel.int_args, qdp.int_args(name, shapes)))
+    ints = dict(zip(spec.kernel.int_args, qdp.int_args(name, shapes, config)))
     arguments = {**inputs, **ints, **outputs, **spec.kernel.constexprs(config),
                  **dict.fromkeys(spec.kernel.absent)}  # fmt: skip
     spec.kernel.kernel[grid](**arguments, num_warps=spec.kernel.warps(config))
@@ -62,7 +63,7 @@ def _launch_ptx(name: str, config: dict, grid: tuple, inputs: dict, outputs: dic
     written = {n: t.cuda() for n, t in outputs.items()}
     shapes = {n: tuple(t.shape) for n, t in inputs.items()}
     launch_ptx(compile_for_tensorrt(kernel, "float32", config), grid, 32 * kernel.warps(config),
-               [inputs[n].cuda() for n in kernel.inputs], qdp.int_args(name, shapes),
+               [inputs[n].cuda() for n in kernel.inputs], qdp.int_args(name, shapes, config),
                [written[n] for n in kernel.outputs])  # fmt: skip
     return {n: t.cpu() for n, t in written.items()}
 
@@ -229,7 +230,73 @@ def test_descriptor_logic_is_shape_expression_safe(name):
         assert _evaluate(qdp.launch_grid(name, symbolic, config), env) == qdp.launch_grid(
             name, concrete, config
         )
-        assert _evaluate(qdp.int_args(name, symbolic), env) == qdp.int_args(name, concrete)
+        assert _evaluate(qdp.int_args(name, symbolic, config), env) == qdp.int_args(
+            name, concrete, config
+        )
+
+
+def _substituted(extent, planned, kernel, shapes) -> int:
+    """A planned extent (an int, or a SymInt of the planning's symbols) at concrete input
+    shapes, by sympy's substitution."""
+    if isinstance(extent, int):
+        return extent
+    values = {planned.symbols[n]: kernel.dims[n](shapes) for n in planned.symbols}
+    return int(extent.node.expr.subs(values))
+
+
+@pytest.mark.parametrize("name", sorted(qdp.SPECS))
+def test_grid_int_args_and_outputs_are_the_launchers_plan(name):
+    """Over concrete shapes, the plugin's grid and int32 scalars are the extents its
+    launcher planned over symbolic dims (substituted by sympy, not by the ShapeExpr-safe
+    evaluation the plugin uses), and its output descriptors the shapes of the tensors the
+    launch writes (the norm's and the gate's rows flattened into one dim R)."""
+    kernel = qdp.SPECS[name].kernel
+    attrs = PLUGIN_ATTRS.get(name, DELTA_ATTRS)
+    config = qdp.kernel_config(name, _shapes(name, {"B": 1, "T": 1}), attrs, "bfloat16")
+    planned = kernel.planned(config)
+    launch = planned.launch
+    for env in ({"B": 3, "T": 5}, {"B": 1, "T": 130}, {"B": 7, "T": 4097}):
+        shapes = _shapes(name, env)
+        args = dict(planned=planned, kernel=kernel, shapes=shapes)
+        grid = tuple(_substituted(e, **args) for e in (*launch.grid, 1, 1)[:3])
+        assert qdp.launch_grid(name, shapes, config) == grid
+        ints = [_substituted(launch.args[n], **args) for n in kernel.int_args]
+        assert qdp.int_args(name, shapes, config) == ints
+        for out, shape in qdp.output_shapes(name, shapes).items():
+            written = tuple(_substituted(d, **args) for d in launch.args[out].shape)
+            if "R" in planned.symbols:  # [R, ...]: the same elements and row shape
+                assert math.prod(written) == math.prod(shape)
+                assert written[1:] == shape[len(shape) - len(written) + 1 :]
+            else:
+                assert written == shape
+
+
+def test_shape_expression_uses_only_shape_expression_operators():
+    """Planned extents (sums, differences, products, floor and ceiling divisions by ints)
+    evaluate over symbolic dims with ShapeExpr's operators to the extents' values; an int
+    minus a dim has no such form."""
+    tensors = Placeholders(torch.float32)
+    batch, length = tensors.size("B"), tensors.size("T")
+    dims = {
+        tensors.symbols["B"]: Dim(lambda e: e["B"]),
+        tensors.symbols["T"]: Dim(lambda e: e["T"]),
+    }
+    extents = {
+        "ceil": (cdiv(batch * length * 3, 8), lambda b, t: -(-b * t * 3 // 8)),
+        "blocks": ((length + 15) // 16 * batch, lambda b, t: (t + 15) // 16 * b),
+        "minus": (length - 1, lambda b, t: t - 1),
+        "mixed": (
+            2 * batch + length * 3 - 4 * batch * length,
+            lambda b, t: 2 * b + 3 * t - 4 * b * t,
+        ),
+        "constant": (batch - batch + 7, lambda b, t: 7),
+    }
+    for name, (extent, want) in extents.items():
+        for env in ({"B": 1, "T": 1}, {"B": 3, "T": 130}, {"B": 8, "T": 4097}):
+            got = _evaluate(shape_expression(extent, dims), env)
+            assert got == want(env["B"], env["T"]), (name, env)
+    with pytest.raises(ValueError, match="an int minus a shape"):
+        shape_expression(5 - length, dims)
 
 
 def test_chunk_prepare_grid_and_intermediates_match_launch_chunk_kda():

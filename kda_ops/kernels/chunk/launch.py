@@ -28,7 +28,7 @@ from kda_ops.kernels.chunk.planning import (
 from kda_ops.kernels.chunk.recurrence import launch_recurrence, recurrence_launches
 from kda_ops.kernels.chunk.segments import recurrence_segments, segmented_recurrence
 from kda_ops.kernels.launches import LaunchPlan
-from kda_ops.kernels.sizes import next_power_of_2
+from kda_ops.kernels.sizes import DeviceSizes, next_power_of_2
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import chunk_state_rows
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
@@ -42,16 +42,21 @@ def chunk_plan(
     chunk_states: Optional[Tensor] = None,
     output: bool = True,
     chunk: int = FORWARD_CHUNK,
+    *,
+    target: Optional[DeviceSizes] = None,
+    single_prepare_launch: bool = False,
 ) -> LaunchPlan:
     """The chunked forward as launches, the recurrence in one serial scan per sequence:
     the prepare kernel's, then :func:`recurrence_launches`. Results ``"o"`` and
     ``"final_state"``; :func:`launch_chunk_kda` says what they hold and what the arguments
-    are. Plans from symbolic shapes too (a traced graph)."""
-    prepare = plan_prepare(inputs, cu_seqlens, options, chunk)
+    are. Plans from symbolic shapes too (a traced graph). ``target``: the device to plan
+    for, if not the tensors' (an ahead-of-time build's); ``single_prepare_launch``: as
+    :func:`plan_prepare`'s ``single_launch``."""
+    prepare = plan_prepare(inputs, cu_seqlens, options, chunk, single_launch=single_prepare_launch)
     o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
     launches = prepare.launches() + recurrence_launches(
         prepare.intermediates, initial_state, cu_seqlens, prepare.chunk_offsets,
-        inputs.q.shape[1], o, final_state, chunk_states, prepare.precision,
+        inputs.q.shape[1], o, final_state, chunk_states, prepare.precision, target=target,
     )  # fmt: skip
     return LaunchPlan(tuple(launches), {"o": o, "final_state": final_state})
 
@@ -116,9 +121,13 @@ def launch_chunk_kda(
 
 
 def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
-                 options: DeltaRuleOptions, chunk: int = FORWARD_CHUNK) -> PrepareStep:  # fmt: skip
+                 options: DeltaRuleOptions, chunk: int = FORWARD_CHUNK, *,
+                 single_launch: bool = False) -> PrepareStep:  # fmt: skip
     """The prepare kernel's :class:`PrepareStep` for ``inputs`` in chunks of ``chunk``
-    tokens (16 or 64), its intermediates allocated."""
+    tokens (16 or 64), its intermediates allocated. ``single_launch``: one ``"all"``
+    launch whatever the gate, which redoes the chunks its dense pass overflows in the same
+    program (``prepare.py``; a single-kernel TensorRT plugin), where the gates without
+    :func:`single_prepare_pass` otherwise take a bounded and an unbounded launch."""
     q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
     batch, length, heads, head_k = q.shape
     value_heads, head_v = v.shape[2], v.shape[3]
@@ -138,7 +147,7 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     u = q.new_empty(*tokens_shape, head_v)
     aqk = q.new_empty(n_chunks, value_heads, chunk, chunk)
     writes = ("chunk_decay", "w", "u", "qg", "kd", "aqk")
-    if single_prepare_pass(flags):
+    if single_launch or single_prepare_pass(flags):
         passes, unbounded = ("all",), None
     else:
         passes = ("bounded", "unbounded")

@@ -1,9 +1,9 @@
 """Launch planning for the chunked kernels, host-side and pure: the constexpr flags the
 prepare kernels take, their tile widths and warps, and the pipeline stages, value columns
 and launches of the head-parallel scans (the forward's recurrence, the backward's dS
-scan). Pure functions of the shapes and the device's sizes, so that
-``tests/kda_ops/kernels/test_sm90_compile.py`` and ``lowering/tensorrt.py`` configure a
-kernel as its launcher does."""
+scan). Pure functions of the shapes and the device's sizes (the tensors' device, or a
+``target`` such as ``sizes.HOPPER`` that ``lowering/tensorrt.py`` plans for), so that
+``tests/kda_ops/kernels/test_sm90_compile.py`` configures a kernel as its launcher does."""
 
 from typing import Optional
 
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from kda_ops import reference
 from kda_ops.kernels.chunk import FORWARD_CHUNK
-from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors, shared_memory
+from kda_ops.kernels.sizes import DeviceSizes, cdiv, device_sizes, next_power_of_2
 from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 
@@ -246,12 +246,12 @@ def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optio
 
 def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
                 itemsize: int, aqk_itemsize: int, store_output: bool,
-                pipelined: bool = True, rows: int = 64,
-                run_ahead: bool = True) -> tuple[int, int]:  # fmt: skip
-    """:func:`scan_config` on ``device``."""
-    sm_count = processors(device) if device.type == "cuda" else None
-    return scan_config(block_k, block_v, sequence_heads, sm_count, itemsize, aqk_itemsize,
-                       store_output, shared_memory(device), pipelined, rows,
+                pipelined: bool = True, rows: int = 64, run_ahead: bool = True, *,
+                target: Optional[DeviceSizes] = None) -> tuple[int, int]:  # fmt: skip
+    """:func:`scan_config` on ``device``, or on the device ``target`` describes."""
+    sizes = device_sizes(device) if target is None else target
+    return scan_config(block_k, block_v, sequence_heads, sizes.processors, itemsize,
+                       aqk_itemsize, store_output, sizes.shared_memory, pipelined, rows,
                        run_ahead)  # fmt: skip
 
 
@@ -282,15 +282,18 @@ def scan_launches(
 
 def scan_plan(block_k: int, block_v: int, sequence_heads, device: torch.device, itemsize: int,
               aqk_itemsize: int, store_output: bool, warps: int, pipelined: bool = True,
-              rows: int = 64, run_ahead: bool = True) -> list[tuple]:  # fmt: skip
+              rows: int = 64, run_ahead: bool = True, *,
+              target: Optional[DeviceSizes] = None) -> list[tuple]:  # fmt: skip
     """(first sequence-head, sequence-heads, value columns, pipeline stages) of each launch
-    of a head-parallel scan on ``device``: :func:`scan_launch`'s columns, its programs
+    of a head-parallel scan on ``device`` (or on the device ``target`` describes: an
+    ahead-of-time build's): :func:`scan_launch`'s columns, its programs
     split past one wave by :func:`scan_launches` (``warps`` a program, which with its
     buffers sets how many share an SM). With a symbolic ``sequence_heads`` (a graph traced
     for any batch) one launch at the columns of a batch that fills the SMs."""
-    sms, shared = processors(device), shared_memory(device)
+    sizes = device_sizes(device) if target is None else target
+    sms, shared = sizes.processors or 1, sizes.shared_memory  # no SMs: the interpreter's one
     tiles = (itemsize, aqk_itemsize, store_output)
-    options = dict(pipelined=pipelined, rows=rows, run_ahead=run_ahead)
+    options = dict(pipelined=pipelined, rows=rows, run_ahead=run_ahead, target=sizes)
 
     def stages(columns: int) -> int:
         return scan_stages(block_k, columns, *tiles, shared, rows) if pipelined else 1

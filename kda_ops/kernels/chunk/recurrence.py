@@ -31,7 +31,7 @@ from kda_ops.kernels.chunk.device import CHUNK, scan_program, sequence_span, val
 from kda_ops.kernels.chunk.planning import dot_block, scan_plan, scan_warps
 from kda_ops.kernels.fast_exp import fast_exp
 from kda_ops.kernels.launches import KernelLaunch
-from kda_ops.kernels.sizes import cdiv
+from kda_ops.kernels.sizes import DeviceSizes, cdiv
 from kda_ops.reference import chunk_offsets as sequence_chunk_offsets
 from kda_ops.reference import longest_first
 
@@ -154,14 +154,16 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
                         final_state, chunk_states, precision,
-                        window: tuple[int, int] = (0, 0)) -> list[KernelLaunch]:  # fmt: skip
+                        window: tuple[int, int] = (0, 0), *,
+                        target: DeviceSizes | None = None) -> list[KernelLaunch]:  # fmt: skip
     """The launches of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
     (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
     symbolic sequence count (a graph traced for any batch) one launch at the value columns
     of a batch that fills the SMs: the split of value columns and of waves
     (``scan_plan``) compares the count with the SM count. Packed
     sequences are taken longest first (``longest_first``). ``window``: (first step, steps)
-    of a time window (the kernel's ``WINDOW_STEPS``), or (0, 0): whole sequences."""
+    of a time window (the kernel's ``WINDOW_STEPS``), or (0, 0): whole sequences.
+    ``target``: the device to plan for, if not the tensors' (``scan_plan``)."""
     w, u, qg, kd, aqk, chunk_decay = intermediates
     step = aqk.shape[-1]  # tokens a step: the prepare's chunk
     state_chunks = chunk_offsets  # chunk_offsets of the 64-token chunks of the states
@@ -173,7 +175,7 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     block_k, block_v = dot_block(head_k), dot_block(state_width)
     launches = scan_plan(block_k, block_v, n_seqs * value_heads, u.device, w.element_size(),
                          aqk.element_size(), o is not None, scan_warps(block_k),
-                         rows=step)  # fmt: skip
+                         rows=step, target=target)  # fmt: skip
     written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
     writes = tuple(name for name, tensor in written.items() if tensor is not None)
     return [

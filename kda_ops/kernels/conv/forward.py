@@ -172,10 +172,14 @@ def prefill_plan(
     state_indices: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     activation: str,
+    *,
+    fuse_final_state: bool = True,
 ) -> LaunchPlan:
     """The prefill kernels' launches (arguments as :func:`launch_causal_conv1d`'s, the
     states dense ``[N, D, W - 1]``), results ``"y"`` (new, x's shape) and ``"state_out"``.
-    Any T, one token too; plans from a symbolic T (a traced graph) as for a long one."""
+    Any T, one token too; plans from a symbolic T (a traced graph) as for a long one.
+    ``fuse_final_state=False``: the final state always by the second kernel (TensorRT's
+    two single-kernel plugins), not by the first where it can."""
     x, weight = x.contiguous(), weight.contiguous()
     batch, length, channels = x.shape
     width = weight.shape[1]
@@ -192,7 +196,8 @@ def prefill_plan(
     # packed sequences may be empty (no program holds them): then a second kernel. A
     # symbolic T is at least 1 (export's and Dynamo's dims).
     fused = (
-        cu_seqlens is None
+        fuse_final_state
+        and cu_seqlens is None
         and state_out is not state_in
         and (not isinstance(length, int) or length > 0)
     )

@@ -1,6 +1,7 @@
 """The forward's launch planning (``planning.py``)."""
 
 import pytest
+import torch
 
 from kda_ops.kernels.chunk import FORWARD_CHUNK
 from kda_ops.kernels.chunk.planning import (
@@ -10,13 +11,14 @@ from kda_ops.kernels.chunk.planning import (
     scan_column_splits,
     scan_config,
     scan_launches,
+    scan_plan,
     scan_residency,
     scan_shared,
     scan_stages,
     scan_warps,
     window_registers,
 )
-from kda_ops.kernels.sizes import SM90_SHARED_MEMORY
+from kda_ops.kernels.sizes import HOPPER, SM90_SHARED_MEMORY, DeviceSizes, device_sizes
 
 SMS = 132  # an H200's
 
@@ -142,3 +144,19 @@ def test_window_registers_fill_an_sm():
     assert window_registers(128, "tf32") == (WINDOW_PREPARE_REGISTERS, WINDOW_RECURRENCE_REGISTERS)
     assert window_registers(256, "tf32") is None
     assert window_registers(128, "ieee") is None
+
+
+def test_scan_plan_plans_for_a_named_target_device():
+    """``target`` replaces the tensors' device: off CUDA (the interpreter) 32 columns, on
+    :data:`HOPPER` (the H200's SMs and shared memory) the H200's launches, as
+    ``scan_config`` and ``scan_launches`` give them there."""
+    cpu = torch.device("cpu")
+    assert DeviceSizes(processors=SMS, shared_memory=SM90_SHARED_MEMORY) == HOPPER
+    assert device_sizes(cpu) == DeviceSizes(processors=None, shared_memory=0)
+    # no shared memory to count on: two stages, taken unchecked up to 128 key columns
+    assert scan_plan(128, 128, 96, cpu, 2, 2, True, 4) == [(0, 96, 32, 2)]
+    for rows, launches in ((FORWARD_CHUNK, [(0, 96, 64)]), (64, [(0, 66, 64), (66, 30, 32)])):
+        planned = scan_plan(128, 128, 96, cpu, 2, 2, True, 4, rows=rows, target=HOPPER)
+        stages = {columns: scan_stages(128, columns, 2, 2, True, SM90_SHARED_MEMORY, rows)
+                  for columns in (32, 64)}  # fmt: skip
+        assert planned == [(*launch, stages[launch[2]]) for launch in launches]
