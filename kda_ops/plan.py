@@ -9,12 +9,14 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
    intermediates (w, u, qg, kd, Aqk) missed FLA's tolerances.
 2. It computes bfloat16 inputs past ``BF16_CHUNK_MAX_KEY_DIM`` key columns in float32:
    the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU in the
-   training forward's 64-token steps, which take one pipeline stage there (an H100,
-   Triton 3.6: ``benchmarks/results/recurrence_probe_h100.jsonl``, also wrong from the
-   fp32 prepare's intermediates, so the recurrence's); the inference forward's 16-token
-   steps were exact at K = 192 and 256 with every stage, warp and column setting tried.
-   One rule for both until the training step is fixed, since a call's forward and
-   backward must compute in one dtype.
+   training forward's 64-token steps at 32 value columns (an H100, Triton 3.6:
+   ``benchmarks/results/recurrence_probe_64_steps_h100.log``), which the scans no longer
+   take there (``kernels.chunk.planning.scan_column_splits``). With that, 39 random bf16
+   calls at K = 192 / 256 with this rule lifted passed on an H100
+   (``fuzz_wide_bf16_seed1_h100.jsonl``), two of them training calls: too few for the
+   backward's dS scan, so the rule stays until the head-dim matrix passes in bf16. One
+   rule for forward and backward, since a call's forward and backward must compute in one
+   dtype.
 3. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
    compute dtype.
 4. float64 inputs run the reference on any device: it is the oracle's dtype, which the

@@ -136,20 +136,19 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
     16-token steps, whose step it shortens by a tenth of its instructions (sm_90, Triton
     3.6: 394 to 350 a warp at 64 value columns). Not with fp32 inputs (``precision``
     "ieee"): their FMA dots spill, and two copies of the loop spill more. Not in the
-    training forward's 64-token steps: on the GPU they gave a wrong o after a partial last
-    step (``CHANGELOG.md``), where the interpreter gives the masked loop's bits."""
+    training forward's 64-token steps: on the GPU, at 32 value columns, they gave a wrong o
+    after a partial last step (the note below), where the interpreter gives the masked
+    loop's bits."""
     return precision != "ieee" and step < CHUNK
 
 
 # Found with ``tools/recurrence_probe.py`` on an H100 (Triton 3.6, bf16;
-# ``benchmarks/results/recurrence_probe_h100.jsonl``): in 64-token steps the unmasked loop
-# is exact while every step is full (T = 1024) and wrong once a partial step follows it
-# (T = 1000, 4113: state error ~1.5), and past 128 key columns the masked loop at one
-# pipeline stage is wrong for every T. What the two share is a 64-row step in a loop of
-# one stage (the partial step's loop takes ``MASKED_STAGES`` = 1); 16-row steps at one
-# stage were exact. No production launch takes either: 64-token steps take the masked
-# loop, and at up to 128 key columns two or three stages; bf16 past 128 computes in fp32
-# (``kda_ops.plan``).
+# ``benchmarks/results/recurrence_probe_h100.jsonl``, ``recurrence_probe_64_steps_h100.log``):
+# in 64-token steps at 32 value columns the unmasked loop is wrong once a partial step follows
+# it (at 1, 2 and 3 stages; exact at 64 columns), and past 128 key columns the masked loop is
+# wrong or reads out of bounds (at 4 warps and 8; exact at 16 and 64 columns); racecheck saw
+# no shared-memory hazard. No production launch takes either: 64-token steps take the masked
+# loop, and past 128 key columns in 16 bits never 32 columns (``scan_column_splits``).
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
