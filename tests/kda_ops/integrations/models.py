@@ -148,3 +148,11 @@ def transformers_reference(model: str) -> Iterator[None]:
     finally:
         for name, fn in wrappers.items():
             setattr(module, name, fn)
+
+
+def min_prefill_length(name: str) -> int:
+    """The shortest prompt an exported prefill of model ``name`` takes: 2 (``torch.export``
+    specializes T = 1), or for GLM5-next one more than its sparse-attention indexer's key pool
+    (its indexer branches on whether the prompt fills more than one pool; not a
+    linear-attention bound)."""
+    return GLM5_NEXT_TEXT["index_kpool"] + 1 if name == "glm5_next" else 2

@@ -19,8 +19,8 @@ import kda_ops.integrations as integrations
 from kda_ops.integrations.export import DecodeStep, PrefillStep, cache_states, layer_types
 from tests.kda_ops.integrations.models import (
     BUILDERS,
-    GLM5_NEXT_TEXT,
     VOCAB,
+    min_prefill_length,
     transformers_reference,
 )
 
@@ -156,16 +156,9 @@ def test_compile_fullgraph_prefill_and_decode(model, enabled):
     )
 
 
-def _min_length(name: str) -> int:
-    """The shortest prompt a prefill program takes: 2 (``torch.export`` specializes T = 1),
-    or for GLM5-next one more than its sparse-attention indexer's key pool (its indexer
-    branches on whether the prompt fills more than one pool; not a linear-attention bound)."""
-    return GLM5_NEXT_TEXT["index_kpool"] + 1 if name == "glm5_next" else 2
-
-
 def _export_prefill(net, name: str, with_mask: bool):
     batch = torch.export.Dim("batch", min=1, max=64)
-    length = torch.export.Dim("length", min=_min_length(name), max=4096)
+    length = torch.export.Dim("length", min=min_prefill_length(name), max=4096)
     prompt = _prompt(9, batch=3)
     mask = _left_padding(prompt, [0, 4, 2]) if with_mask else None
     dynamic = {"input_ids": {0: batch, 1: length},
@@ -206,7 +199,7 @@ def test_export_prefill_dynamic_batch_and_length(model, enabled, with_mask):
     assert _targets(program) >= PREFILL_OPS
     kinds = {spec.kind for spec in program.graph_signature.output_specs}
     assert kinds == {torch.export.graph_signature.OutputKind.USER_OUTPUT}, kinds
-    for batch, length in [(2, max(3, _min_length(name))), (1, 21)]:
+    for batch, length in [(2, max(3, min_prefill_length(name))), (1, 21)]:
         prompt = _prompt(length, batch=batch)
         mask = _left_padding(prompt, [1] * batch) if with_mask else None
         logits, states = program.module()(prompt, mask)
