@@ -147,8 +147,11 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 # in 64-token steps at 32 value columns the unmasked loop is wrong once a partial step follows
 # it (at 1, 2 and 3 stages; exact at 64 columns), and past 128 key columns the masked loop is
 # wrong or reads out of bounds (at 4 warps and 8; exact at 16 and 64 columns); racecheck saw
-# no shared-memory hazard. No production launch takes either: 64-token steps take the masked
-# loop, and past 128 key columns in 16 bits never 32 columns (``scan_column_splits``).
+# no shared-memory hazard. At 32 columns, and only there, Triton 3.6 lays the dots' bf16 B
+# operands (the state, v_new) out with a 64-byte swizzle (16: 32 bytes, 64: 128; the masked
+# loop at K = 128 takes it too and is exact): the lead, not a proof. No production launch
+# takes either: 64-token steps take the masked loop, and past 128 key columns in 16 bits
+# never 32 columns (``scan_column_splits``).
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
