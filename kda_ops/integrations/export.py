@@ -188,7 +188,8 @@ class FlatStateStep(torch.nn.Module):
     and takes 2 <= T <= ``max_length`` tokens per sequence, with no padding. Prompt plus
     generated tokens must not exceed ``max_length``: eagerly a longer run raises; a
     compiled step cannot check its data, so the runner checks it (the package metadata
-    holds ``max_length``)."""
+    holds ``max_length``). Not for a model whose attention selects keys without the padding
+    mask (GLM5-next's sparse indexer): a ``ValueError`` says so."""
 
     def __init__(self, model: torch.nn.Module, step: str, max_length: int) -> None:
         super().__init__()
@@ -196,6 +197,14 @@ class FlatStateStep(torch.nn.Module):
             raise ValueError(f"FlatStateStep: `step` must be 'prefill' or 'decode', got {step!r}")
         if max_length < 2:
             raise ValueError(f"FlatStateStep: `max_length` must be >= 2, got {max_length}")
+        text_config = model.config.get_text_config()
+        if getattr(text_config, "index_topk", None) is not None:
+            # GLM5-next: its indexer picks the top keys of the whole buffer, padding included.
+            raise ValueError(
+                f"FlatStateStep: {text_config.model_type}'s sparse attention selects its keys "
+                "without the padding mask, so fixed-size KV buffers would change its output; "
+                "export its PrefillStep / DecodeStep, whose KV caches grow"
+            )
         self.model = model
         self.step = step
         self.max_length = max_length

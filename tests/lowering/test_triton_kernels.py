@@ -190,10 +190,10 @@ def test_conv_prefill_with_a_longer_state_stays_the_op():
 def hopper_sizes(monkeypatch):
     """An H200's SM count and shared memory for the chunk planning of fake CUDA tensors."""
     from kda_ops.kernels.chunk import planning, segments
+    from kda_ops.kernels.sizes import HOPPER
 
-    for module in (planning, segments):
-        monkeypatch.setattr(module, "processors", lambda device: 132)
-    monkeypatch.setattr(planning, "shared_memory", lambda device: 227 * 1024)
+    monkeypatch.setattr(planning, "device_sizes", lambda device: HOPPER)
+    monkeypatch.setattr(segments, "processors", lambda device: HOPPER.processors)
 
 
 def _chunk_inputs(length, dtype=torch.bfloat16, batch=2, heads=2, dim=32):
