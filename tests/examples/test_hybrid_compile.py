@@ -170,6 +170,7 @@ print("hits", counters["inductor"]["fxgraph_cache_hit"], "misses",
 """
 
 
+@pytest.mark.slow  # compiles the model in two fresh processes
 def test_second_process_hits_the_fx_graph_cache(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
 

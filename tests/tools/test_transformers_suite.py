@@ -72,6 +72,7 @@ def assembly(root: Path, model_tests: str = MODEL_TESTS) -> Path:
     return root
 
 
+@pytest.mark.slow  # two pytest processes
 def test_both_runs_are_counted_and_one_run_failures_named(tmp_path):
     tests, results = assembly(tmp_path / "assembly"), tmp_path / "results.json"
     code = suite.main(["--tests", str(tests), "--model", "qwen3_5", "--json", str(results)])
@@ -96,6 +97,7 @@ def test_an_incomplete_assembly_is_refused_by_name(tmp_path):
         suite.main(["--tests", str(assembly(tmp_path)), "--model", "kimi_linear"])
 
 
+@pytest.mark.slow  # a pytest process left to its timeout
 def test_a_killed_process_keeps_its_results_and_names_the_running_test(tmp_path):
     """A process that overruns ``--timeout``: the tests before count, the running one is a
     timeout, the rest did not run and are no one-run failures."""
