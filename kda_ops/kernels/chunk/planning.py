@@ -190,8 +190,8 @@ def scan_column_splits(block_k: int, itemsize: int, rows: int) -> tuple[int, ...
     """The value-column widths below the whole head a scan of ``rows``-token steps may
     take: ``SCAN_COLUMN_SPLITS``; past 128 key columns with 16-bit inputs in 64-token steps
     ``WIDE_KEY_COLUMN_SPLITS``, no 32: there the bf16 recurrence at 32 value columns
-    returned wrong states (K = 256) or read out of bounds (K = 192) on an H100 with Triton
-    3.6, at 4 warps and at 8, where 16 and 64 columns were exact
+    returned wrong states or hit an illegal address (K = 192 and 256; which one, by the
+    warps: 4 or 8) on an H100 with Triton 3.6, where 16 and 64 columns were exact
     (``tools/recurrence_probe.py``, ``benchmarks/results/recurrence_probe_h100.jsonl``)."""
     if block_k > 128 and itemsize <= 2 and rows == 64:
         return WIDE_KEY_COLUMN_SPLITS
