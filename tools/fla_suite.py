@@ -54,11 +54,12 @@ import tempfile
 import time
 import types
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from pytest_reports import FailureCapture, first_line, last_error_line, skip_reason
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_FILES = ("test_kda.py", "test_gdn.py")
@@ -86,7 +87,6 @@ CUDA_FAULT = re.compile(
     r"CUDA driver error|cudaError|CUBLAS_STATUS_EXECUTION_FAILED",
     re.IGNORECASE,
 )
-MESSAGE_CHARS = 300
 # FLA switches that soften failures into warnings (FLA_CI_ENV) or skip cases
 # (FLA_CACHE_MODE=default/full/always skips varlen D=64/256, SKIP_TEST_CHUNK_VARLEN).
 SKIPPING_SWITCHES = ("FLA_CI_ENV", "FLA_CACHE_MODE", "SKIP_TEST_CHUNK_VARLEN")
@@ -191,47 +191,25 @@ class ResultStore:
         os.replace(scratch, self.path)
 
 
-def exception_name(kind: type) -> str:
-    module = kind.__module__
-    if module in ("builtins", "__main__") or module.startswith("_pytest"):
-        return kind.__qualname__
-    return f"{module}.{kind.__qualname__}"
-
-
-def first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0][:MESSAGE_CHARS] if lines else ""
-
-
 def is_cuda_fault(node: dict[str, Any]) -> bool:
     return node.get("outcome") == "failed" and bool(
         CUDA_FAULT.search(f"{node.get('type')}: {node.get('message')}")
     )
 
 
-class Recorder:
+class Recorder(FailureCapture):
     """Records every test's outcome (``pytest_runtest_logreport``) into the store."""
 
     def __init__(self, store: ResultStore) -> None:
         self.store = store
         self.pending: dict[str, dict[str, Any]] = {}
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator:
-        outcome = yield
-        report = outcome.get_result()
-        if report.failed and call.excinfo is not None:
-            report.fla_suite_error = (
-                exception_name(call.excinfo.type),
-                first_line(str(call.excinfo.value)),
-            )
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         node = self.pending.setdefault(report.nodeid, {"outcome": "passed", "duration": 0.0})
         node["duration"] = round(node["duration"] + report.duration, 4)
         if node["outcome"] != "failed":
             if report.failed:
-                kind, message = getattr(report, "fla_suite_error", ("Error", ""))
+                kind, message = getattr(report, "suite_failure", ("Error", ""))
                 if not message and report.longreprtext:
                     message = first_line(report.longreprtext.splitlines()[-1])
                 node.update(outcome="failed", type=kind, message=message, phase=report.when)
@@ -243,11 +221,7 @@ class Recorder:
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
-            lines = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
-            error = {
-                "node": report.nodeid,
-                "error": first_line(lines[-1][1:] if lines else report.longreprtext),
-            }
+            error = {"node": report.nodeid, "error": last_error_line(report.longreprtext)}
             if error not in self.store.doc["collect_errors"]:  # each subprocess collects
                 self.store.doc["collect_errors"].append(error)
                 self.store.flush()
@@ -255,14 +229,6 @@ class Recorder:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.store.doc["environment"] = environment()
         self.store.flush()
-
-
-def skip_reason(report: pytest.TestReport) -> str:
-    if hasattr(report, "wasxfail"):
-        return f"xfail: {report.wasxfail}"
-    longrepr = report.longrepr
-    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    return first_line(reason.removeprefix("Skipped: "))
 
 
 def environment() -> dict[str, Any]:

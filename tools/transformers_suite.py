@@ -49,11 +49,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from pytest_reports import FailureCapture, last_error_line, skip_reason
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = "kda-ops/transformers_suite/1"
@@ -61,7 +62,6 @@ MODES = ("unpatched", "patched")
 # The models kda-ops is tested with whose transformers test files the suite runs by default.
 MODELS = ("qwen3_5", "qwen3_5_moe", "olmo_hybrid", "qwen3_next", "kimi_linear")
 OUTCOMES = ("passed", "failed", "skipped", "errors")
-MESSAGE_CHARS = 300
 SWITCHES = ("RUN_SLOW", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
@@ -78,18 +78,6 @@ def check_assembly(tests: Path, models: Sequence[str]) -> None:
     missing = [path for path in needed if not (tests / path).is_file()]
     if missing:
         raise SystemExit(f"transformers_suite: {tests} lacks {', '.join(missing)}")
-
-
-def first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0][:MESSAGE_CHARS] if lines else ""
-
-
-def exception_name(kind: type) -> str:
-    module = kind.__module__
-    if module in ("builtins", "__main__") or module.startswith(("_pytest", "unittest")):
-        return kind.__qualname__
-    return f"{module}.{kind.__qualname__}"
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +103,7 @@ class ChildResult:
         os.replace(scratch, self.path)
 
 
-class Recorder:
+class Recorder(FailureCapture):
     """Every test's outcome, merged over its reports (setup, call with its subtests,
     teardown): an error in setup or teardown is an error, a failed call or subtest a
     failure, a skip a skip."""
@@ -137,26 +125,15 @@ class Recorder:
         self.result.doc["running"] = None
         self.result.flush()
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator:
-        outcome = yield
-        report = outcome.get_result()
-        if report.failed and call.excinfo is not None:
-            report.transformers_suite_error = (
-                exception_name(call.excinfo.type),
-                first_line(str(call.excinfo.value)),
-            )
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         node = self.nodes.setdefault(report.nodeid, {"outcome": "passed", "duration": 0.0})
         node["duration"] = round(node["duration"] + report.duration, 3)
         if node["outcome"] in ("failed", "errors"):
             return
         if report.failed:
-            kind, message = getattr(report, "transformers_suite_error", (None, ""))
-            if kind is None:  # a subtest's report carries no excinfo of ours
-                lines = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
-                kind, message = "Error", first_line(lines[-1][1:] if lines else "")
+            kind, message = getattr(report, "suite_failure", (None, ""))
+            if kind is None:  # a subtest's report carries no exception of its own
+                kind, message = "Error", last_error_line(report.longreprtext)
             outcome = "failed" if report.when == "call" else "errors"
             node.update(outcome=outcome, type=kind, message=message, phase=report.when)
             node.pop("reason", None)
@@ -165,19 +142,8 @@ class Recorder:
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
-            lines = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
-            self.collect_errors.append(
-                {"node": report.nodeid,
-                 "error": first_line(lines[-1][1:] if lines else report.longreprtext)}
-            )  # fmt: skip
-
-
-def skip_reason(report: pytest.TestReport) -> str:
-    if hasattr(report, "wasxfail"):
-        return f"xfail: {report.wasxfail}"[:MESSAGE_CHARS]
-    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
-        return str(report.longrepr[2]).removeprefix("Skipped: ")[:MESSAGE_CHARS]
-    return first_line(str(report.longrepr))
+            error = last_error_line(report.longreprtext)
+            self.collect_errors.append({"node": report.nodeid, "error": error})
 
 
 class Patch:

@@ -14,6 +14,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))  # the tool's sibling module, as when it runs
 SPEC = importlib.util.spec_from_file_location(
     "transformers_suite", ROOT / "tools" / "transformers_suite.py"
 )
