@@ -11,12 +11,11 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
    the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU in the
    training forward's 64-token steps at 32 value columns (an H100, Triton 3.6:
    ``benchmarks/results/recurrence_probe_64_steps_h100.log``), which the scans no longer
-   take there (``kernels.chunk.planning.scan_column_splits``). With that, 39 random bf16
+   take there (``kernels.chunk.planning.scan_column_splits``). With that, random bf16
    calls at K = 192 / 256 with this rule lifted passed on an H100
-   (``fuzz_wide_bf16_seed1_h100.jsonl``), two of them training calls: too few for the
-   backward's dS scan, so the rule stays until the head-dim matrix passes in bf16. One
-   rule for forward and backward, since a call's forward and backward must compute in one
-   dtype.
+   (``fuzz_wide_bf16_seed1_h100.jsonl``), but few were training calls: the rule stays
+   until the head-dim matrix passes in bf16. One rule for forward and backward, since a
+   call's forward and backward must compute in one dtype.
 3. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
    compute dtype.
 4. float64 inputs run the reference on any device: it is the oracle's dtype, which the

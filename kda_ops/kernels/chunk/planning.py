@@ -198,6 +198,12 @@ def scan_column_splits(block_k: int, itemsize: int, rows: int) -> tuple[int, ...
     return SCAN_COLUMN_SPLITS
 
 
+def _excluded(columns: int, splits: tuple[int, ...]) -> bool:
+    """Whether ``splits`` leaves out a width the default splits take (32 past 128 key
+    columns in 16 bits: :func:`scan_column_splits`)."""
+    return columns in SCAN_COLUMN_SPLITS and columns not in splits
+
+
 def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
                        three_stages_at_64: bool, widest: int = 128,
                        splits: tuple[int, ...] = SCAN_COLUMN_SPLITS) -> int:  # fmt: skip
@@ -219,7 +225,7 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
         if columns < block_v and sequence_heads * (block_v // columns) <= sm_count:
             return columns
     columns = min(block_v, 64 if three_stages_at_64 else 128, widest)
-    return splits[0] if columns in SCAN_COLUMN_SPLITS and columns not in splits else columns
+    return splits[0] if _excluded(columns, splits) else columns
 
 
 def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
@@ -274,7 +280,7 @@ def scan_launches(
     first_wave = slots // per_head
     rest = sequence_heads - first_wave
     half = columns // 2
-    allowed = half >= 16 and (half in splits or half not in SCAN_COLUMN_SPLITS)
+    allowed = half >= 16 and not _excluded(half, splits)
     if first_wave > 0 and rest > 0 and allowed and rest * cdiv(block_v, half) <= slots:
         return [(0, first_wave, columns), (first_wave, rest, half)]
     return [(0, sequence_heads, columns)]

@@ -40,10 +40,9 @@ def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: i
     (``SCAN_COLUMN_SPLITS[0]``), they leave at least half the SMs idle; then the largest
     power of two ``S`` with ``batch * value_heads * S`` at most the SM count and segments
     of at least ``MIN_SEGMENT_TOKENS`` (a multiple of 64). Where split value columns
-    nearly fill the SMs, segments only add the maps pass: on an H100, 1 x 32768 tokens at
-    32 value heads (128 programs on 132 SMs) took 2140 µs in one pass against 2348 in 4
-    segments, while 1 x 131072 at 16 (64 programs) took 7666 in one pass against 4806 in 8
-    (``benchmarks/results/long_sequence_variants_*_h100.json``)."""
+    nearly fill the SMs, segments only add the maps pass, and one pass was faster; with
+    half the SMs idle segments were (``benchmarks/results/long_sequence_variants_*_h100.json``,
+    docs/benchmarks.md)."""
     if 2 * batch * value_heads * cdiv(head_v, SCAN_COLUMN_SPLITS[0]) > sms:
         return 1
     segments = 1
