@@ -59,7 +59,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from pytest_reports import FailureCapture, first_line, last_error_line, skip_reason
+from pytest_reports import (
+    FailureCapture,
+    first_line,
+    last_error_line,
+    skip_reason,
+    split_at_dashes,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_FILES = ("test_kda.py", "test_gdn.py")
@@ -743,11 +749,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(argv)
-    extra: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, extra = argv[:split], argv[split + 1 :]
+    argv, extra = split_at_dashes(argv)
     parser = argparse.ArgumentParser(
         description="Run FLA's test_kda.py / test_gdn.py against kda_ops (or FLA).",
         epilog="Arguments after `--` go to pytest (e.g. -k test_chunk -x -q).",

@@ -1,14 +1,24 @@
-"""What the suite tools (``fla_suite.py``, ``transformers_suite.py``) read off pytest's
-reports: a failure's exception type and first message line, a skip's reason, a collection
-error's last line."""
+"""What the suite tools (``fla_suite.py``, ``transformers_suite.py``) share about the pytest
+processes they run: their command lines' pytest part, and what they read off pytest's
+reports (a failure's exception type and first message line, a skip's reason, a collection
+error's last line)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 MESSAGE_CHARS = 300  # of a failure's or a skip's message
+
+
+def split_at_dashes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the tool's arguments, pytest's: those after ``--``)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
 
 
 def first_line(text: str) -> str:

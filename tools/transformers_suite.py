@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from pytest_reports import FailureCapture, last_error_line, skip_reason
+from pytest_reports import FailureCapture, last_error_line, skip_reason, split_at_dashes
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = "kda-ops/transformers_suite/1"
@@ -424,11 +424,7 @@ def print_table(doc: dict[str, Any]) -> None:
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(argv)
-    extra: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, extra = argv[:split], argv[split + 1 :]
+    argv, extra = split_at_dashes(argv)
     parser = argparse.ArgumentParser(
         description="Run transformers' model tests unpatched and with kda_ops.integrations.",
         epilog="Arguments after `--` go to pytest (e.g. -k generate).",
