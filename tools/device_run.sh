@@ -18,7 +18,10 @@
 # inside BENCH_S), sanitize (compute-sanitizer on the open faults and wrong answers, in
 # the background, SANITIZE_S each; the fuzz cases FUZZ_INDICES rerun alone; with .branch/
 # (a `git archive` of another branch's kda_ops) its fuzz case 3 too; `wait` waits for
-# them; SANITIZE_JOBS names a subset), fuzz_wide (the bf16 cases past 128 key columns with
+# them; SANITIZE_JOBS names a subset), tests_files (each GPU test file alone, TEST_FILES),
+# matrix_wide (the head-dim matrix's bf16 cells past 128 key columns in bf16), wide_keys
+# (their time against the fp32 detour), wy_probe / branch_tests (.branch's scalar-gate WY
+# kernel in launch variants; its GDN GPU tests), fuzz_wide (the bf16 cases past 128 key columns with
 # kda_ops.plan's bf16 limit raised; FUZZ_ARGS: more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
 # image's packages), and FlashKDA from .peers/FlashKDA where it was built.
 # .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
@@ -67,6 +70,17 @@ run_phase() {
     tests)
         timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider "${FORWARD_TESTS[@]}" \
             2>&1 | tee "$OUT/tests.log" | tail -n 30
+        ;;
+    tests_files)
+        # Each GPU test file in a pytest run of its own (TEST_FILES, default every file that
+        # marks gpu tests), TESTS_S each; the failures' short tracebacks in its log.
+        files=${TEST_FILES:-$(grep -rlE 'mark\.gpu|pytestmark = pytest\.mark\.gpu' tests --include='test_*.py' | sort)}
+        for file in $files; do
+            log="$OUT/tests_$(echo "$file" | tr '/:' '__').log"
+            timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --tb=short \
+                "$file" >"$log" 2>&1
+            echo "$file rc=$? $(tail -n 1 "$log")"
+        done
         ;;
     tests_all)
         timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m gpu tests \
@@ -120,6 +134,30 @@ run_phase() {
             --seed "${FUZZ_SEED:-0}" --first "${FUZZ_FIRST:-0}" --jobs "${FUZZ_JOBS:-4}" \
             ${FUZZ_ARGS:-} --timeout 240 --out "$OUT/fuzz.jsonl" 2>&1 \
             | tail -n 40
+        ;;
+    matrix_wide)
+        # The head-dim matrix's bf16 cells past 128 key columns with the plan's bf16 limit
+        # raised: the chunk kernels themselves, forward and both backwards.
+        S=${MATRIX_S:-$BENCH_S}
+        timeout "$S" python3 tools/head_dim_matrix.py --dims 192 256 --pairs 256x64 192x128 \
+            --dtypes bfloat16 --bf16-chunk-max-key-dim 256 --jobs "${MATRIX_JOBS:-4}" \
+            --deadline $((S - 150)) --json "$OUT/head_dim_matrix_wide_bf16.jsonl" 2>&1 | tail -n 40
+        ;;
+    wide_keys)
+        # What the fp32 detour for bf16 past 128 key columns costs against bf16 kernels.
+        timeout "$BENCH_S" python3 benchmarks/wide_keys.py --no-shared-machine \
+            --out "$OUT/wide_keys.json" 2>&1 | tail -n 20
+        ;;
+    wy_probe)
+        # The scalar gate's WY kernel (from .branch: `git archive` of kda_ops, tools and
+        # tests of another branch) in its launch variants, a process each.
+        (cd .branch && timeout "${PROBE_S:-$BENCH_S}" python3 tools/wy_probe.py --jobs 6 \
+            --json "$OUT/wy_probe.jsonl" 2>&1 | tail -n 40)
+        ;;
+    branch_tests)
+        # .branch's Gated DeltaNet GPU tests, in its own tree.
+        (cd .branch && timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -rfEs \
+            --tb=short tests/kda_ops/test_gpu_gdn.py 2>&1 | tee "$OUT/branch_tests.log" | tail -n 30)
         ;;
     fuzz_wide)
         # bf16 past 128 key columns through the chunk kernels (the plan's limit raised).
