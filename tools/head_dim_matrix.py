@@ -42,7 +42,13 @@ def tolerance(dtype: str, name: str) -> float:
 
 
 def run_cell(
-    K: int, V: int, dtype_name: str, varlen: bool, gate: str, modes: list[str], device: str,
+    K: int,
+    V: int,
+    dtype_name: str,
+    varlen: bool,
+    gate: str,
+    modes: list[str],
+    device: str,
     bf16_chunk_max_key_dim: Optional[int] = None,
 ) -> None:
     """One cell in this process; prints a JSON line when each case starts and ends (with
