@@ -21,7 +21,8 @@
 # them; SANITIZE_JOBS names a subset), tests_files (each GPU test file alone, TEST_FILES),
 # matrix_wide (the head-dim matrix's bf16 cells past 128 key columns in bf16), wide_keys
 # (their time against the fp32 detour), wy_probe / branch_tests (.branch's scalar-gate WY
-# kernel in launch variants; its GDN GPU tests), fuzz_wide (the bf16 cases past 128 key columns with
+# kernel in launch variants; its GDN GPU tests), repro32 (tools/triton_repro_32cols.py),
+# fuzz_wide (the bf16 cases past 128 key columns with
 # kda_ops.plan's bf16 limit raised; FUZZ_ARGS: more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
 # image's packages), and FlashKDA from .peers/FlashKDA where it was built.
 # .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
@@ -147,6 +148,11 @@ run_phase() {
         # What the fp32 detour for bf16 past 128 key columns costs against bf16 kernels.
         timeout "$BENCH_S" python3 benchmarks/wide_keys.py --no-shared-machine \
             --out "$OUT/wide_keys.json" 2>&1 | tail -n 20
+        ;;
+    repro32)
+        # A kernel of the recurrence's shape, no kda_ops code: is the 32-column error Triton's?
+        timeout "${REPRO_S:-200}" python3 tools/triton_repro_32cols.py --jobs 8 2>&1 \
+            | tee "$OUT/triton_repro_32cols.log" | tail -n 70
         ;;
     wy_probe)
         # The scalar gate's WY kernel (from .branch: `git archive` of kda_ops, tools and

@@ -1,0 +1,168 @@
+"""A self-contained Triton kernel (no kda_ops import) with the shape of the chunk
+recurrence's step loop, to tell whether the wrong bf16 answers of 64-token steps at 32 value
+columns (past 128 key columns, and in the unmasked loop) are Triton's: a state ``[BK, BV]``
+fp32 in registers, and per 64-row step ``v_new = u - w S``, ``o = qg S + A v_new``,
+``S = diag(decay) S + kdᵀ v_new`` with bf16 dot operands, the rows of a partial last step
+masked. The same arithmetic in PyTorch (fp32 with the kernel's bf16 roundings) is the
+expectation. No kda_ops code is involved: a wrong answer here is the compiler's.
+
+Usage, on a CUDA machine::
+
+    python tools/triton_repro_32cols.py                      # the default grid, a line each
+    python tools/triton_repro_32cols.py --case '{"K": 192, "BV": 32, "warps": 4}'
+
+Each case prints ``ok`` / ``WRONG`` with the relative errors of o and the final state, or
+the exception (an illegal address kills the process: the grid runs each case in a child).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import triton
+import triton.language as tl
+
+TOLERANCE = 1e-2
+
+
+@triton.jit(do_not_specialize=["length"])
+def step_loop_kernel(w, u, qg, kd, aqk, decay, o, final_state, length,
+                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     STEP: tl.constexpr, STAGES: tl.constexpr, UNMASKED: tl.constexpr,
+                     DOT: tl.constexpr):  # fmt: skip
+    """One program a value block: the steps over ``length`` rows of one sequence. With
+    ``UNMASKED`` the full steps run in a loop without row masks, then the partial one."""
+    i_v = tl.program_id(0)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    rows = tl.arange(0, STEP)
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    steps = tl.cdiv(length, STEP)
+    full = length // STEP if UNMASKED else 0
+    for partial in tl.static_range(0 if UNMASKED else 1, 2):
+        first = full if partial else 0
+        last = steps if partial else full
+        for c in tl.range(first, last, num_stages=1 if (UNMASKED and partial) else STAGES):
+            in_seq = (c * STEP + rows < length) if partial else rows < STEP
+            token = (c * STEP + rows)[:, None]
+            mask_rk = in_seq[:, None] & mask_k[None, :]
+            mask_rv = in_seq[:, None] & mask_v[None, :]
+            b_w = tl.load(w + token * K + offs_k[None, :], mask=mask_rk, other=0.0)
+            b_qg = tl.load(qg + token * K + offs_k[None, :], mask=mask_rk, other=0.0)
+            b_kd = tl.load(kd + token * K + offs_k[None, :], mask=mask_rk, other=0.0)
+            b_u = tl.load(u + token * V + offs_v[None, :], mask=mask_rv, other=0.0)
+            b_a = tl.load(aqk + (c * STEP + rows)[:, None] * STEP + rows[None, :])
+            b_a = tl.where(rows[:, None] >= rows[None, :], b_a, 0.0)
+            b_decay = tl.load(decay + c * K + offs_k, mask=mask_k, other=0.0)
+            b_state = state.to(DOT)
+            v_new = b_u.to(tl.float32) - tl.dot(b_w, b_state)
+            v_new = tl.where(mask_rv, v_new, 0.0).to(DOT)
+            b_o = tl.dot(b_qg, b_state) + tl.dot(b_a, v_new)
+            tl.store(o + token * V + offs_v[None, :], b_o, mask=mask_rv)
+            state = state * b_decay[:, None] + tl.dot(tl.trans(b_kd), v_new)
+    tl.store(final_state + offs_k[:, None] * V + offs_v[None, :], state,
+             mask=mask_k[:, None] & mask_v[None, :])  # fmt: skip
+
+
+def expected(w, u, qg, kd, aqk, decay, step: int):
+    """The kernel's arithmetic in PyTorch: fp32 state, dot operands in the inputs' dtype."""
+    length, K = w.shape
+    V = u.shape[1]
+    state = torch.zeros(K, V, device=w.device)
+    o = torch.empty(length, V, device=w.device)
+    for c in range(-(-length // step)):
+        rows = slice(c * step, min((c + 1) * step, length))
+        n = rows.stop - rows.start
+        b_state = state.to(w.dtype).float()
+        v_new = (u[rows].float() - w[rows].float() @ b_state).to(w.dtype).float()
+        a = aqk[c * step : c * step + n, :n].float().tril()
+        o[rows] = qg[rows].float() @ b_state + a @ v_new
+        state = state * decay[c][:, None] + kd[rows].float().T @ v_new
+    return o, state
+
+
+def run_case(K: int, V: int = 128, BV: int = 32, length: int = 1000, step: int = 64,
+             warps: int = 4, stages: int = 2, unmasked: bool = False,
+             dtype: str = "bfloat16", device: str = "cuda") -> dict:  # fmt: skip
+    torch.manual_seed(0)
+    dev, low = device, getattr(torch, dtype)
+    scale = K**-0.5
+    w = (scale * torch.randn(length, K, device=dev)).to(low)
+    qg = (scale * torch.randn(length, K, device=dev)).to(low)
+    kd = (scale * torch.randn(length, K, device=dev)).to(low)
+    u = torch.randn(length, V, device=dev).to(low)
+    steps = -(-length // step)
+    aqk = (0.1 * torch.randn(steps * step, step, device=dev)).to(low)
+    decay = torch.rand(steps, K, device=dev) * 0.2 + 0.8
+    o = torch.empty(length, V, device=dev, dtype=low)
+    final = torch.empty(K, V, device=dev)
+    BK = triton.next_power_of_2(K)
+    step_loop_kernel[(triton.cdiv(V, BV),)](
+        w, u, qg, kd, aqk, decay, o, final, length, K=K, V=V, BK=BK, BV=BV, STEP=step,
+        STAGES=stages, UNMASKED=unmasked, DOT=tl.bfloat16 if dtype == "bfloat16" else tl.float32,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    want_o, want_state = expected(w, u, qg, kd, aqk, decay, step)
+    errors = {
+        "o": float((o.float() - want_o).norm() / want_o.norm()),
+        "state": float((final - want_state).norm() / want_state.norm()),
+    }
+    return dict(errors=errors, ok=all(e < TOLERANCE for e in errors.values()))
+
+
+GRID = [
+    dict(K=K, BV=BV, warps=warps, stages=stages, unmasked=unmasked)
+    for K, BV, warps, stages, unmasked in itertools.product(
+        (128, 192, 256), (16, 32, 64), (4, 8), (1, 2), (False, True)
+    )
+    if not (K > 128 and BV == 64 and stages == 2)  # past shared memory
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", help="one case's keyword arguments as JSON, run here")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--jobs", type=int, default=8, help="cases run at once")
+    args = parser.parse_args(argv)
+    if args.case:
+        case = json.loads(args.case)
+        try:
+            result = run_case(**case)
+        except Exception as error:  # recorded, as the grid's other cases
+            result = dict(ok=False, exception=f"{type(error).__name__}: {str(error)[:300]}")
+        print(json.dumps(dict(case, **result)), flush=True)
+        return 0
+
+    def run_child(case: dict) -> dict:
+        command = [sys.executable, __file__, "--case", json.dumps(case)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return dict(case, ok=False, exit="timeout")
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            return json.loads(lines[-1])
+        return dict(case, ok=False, exit=done.returncode, stderr=done.stderr[-300:])
+
+    wrong = 0
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for result in pool.map(run_child, GRID):
+            wrong += not result["ok"]
+            print(("ok    " if result["ok"] else "WRONG ") + json.dumps(result), flush=True)
+    print(f"{wrong} of {len(GRID)} cases wrong")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
