@@ -21,7 +21,7 @@
 # them; SANITIZE_JOBS names a subset), tests_files (each GPU test file alone, TEST_FILES),
 # matrix_wide (the head-dim matrix's bf16 cells past 128 key columns in bf16), wide_keys
 # (their time against the fp32 detour), wy_probe / branch_tests (.branch's scalar-gate WY
-# kernel in launch variants; its GDN GPU tests), repro32 (tools/triton_repro_32cols.py),
+# kernel in launch variants; its GDN GPU tests; branch_gdn: its GDN rows), repro32 (tools/triton_repro_32cols.py),
 # fuzz_wide (the bf16 cases past 128 key columns with
 # kda_ops.plan's bf16 limit raised; FUZZ_ARGS: more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
 # image's packages), and FlashKDA from .peers/FlashKDA where it was built.
@@ -125,6 +125,12 @@ run_phase() {
         PYTHONPATH="$PWD/.baseline:$PYTHONPATH" timeout "$BENCH_S" python3 benchmarks/ops.py \
             --no-shared-machine --rounds 3 --only ${BASELINE_ROWS:-gdn32k gdn8k gdn64 gdn_training} \
             --out "$OUT/ops_gdn_baseline.json" 2>&1 | tail -n 30
+        ;;
+    branch_gdn)
+        # The GDN rows from .branch's kda_ops (BRANCH_ROWS), in a process of their own.
+        PYTHONPATH="$PWD/.branch:$PYTHONPATH" timeout "${GDN_S:-$BENCH_S}" python3 benchmarks/ops.py \
+            --no-shared-machine --rounds 3 --only ${BRANCH_ROWS:-gdn_training} \
+            --out "$OUT/ops_gdn_branch.json" 2>&1 | tail -n 30
         ;;
     kda)
         timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
