@@ -157,13 +157,13 @@ run_phase() {
         ;;
     repro32)
         # A kernel of the recurrence's shape, no kda_ops code: is the 32-column error Triton's?
-        timeout "${REPRO_S:-200}" python3 tools/triton_repro_32cols.py --jobs 8 2>&1 \
+        timeout "${REPRO_S:-200}" python3 tools/triton_repro_32cols.py --jobs "${REPRO_JOBS:-8}" 2>&1 \
             | tee "$OUT/triton_repro_32cols.log" | tail -n 70
         ;;
     wy_probe)
         # The scalar gate's WY kernel (from .branch: `git archive` of kda_ops, tools and
         # tests of another branch) in its launch variants, a process each.
-        (cd .branch && timeout "${PROBE_S:-$BENCH_S}" python3 tools/wy_probe.py --jobs 6 \
+        (cd .branch && timeout "${PROBE_S:-$BENCH_S}" python3 tools/wy_probe.py --jobs "${PROBE_JOBS:-6}" \
             --json "$OUT/wy_probe.jsonl" 2>&1 | tail -n 40)
         ;;
     branch_tests)
