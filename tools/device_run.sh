@@ -148,12 +148,12 @@ run_phase() {
         S=${MATRIX_S:-$BENCH_S}
         timeout "$S" python3 tools/head_dim_matrix.py --dims 192 256 --pairs 256x64 192x128 \
             --dtypes bfloat16 --bf16-chunk-max-key-dim 256 --jobs "${MATRIX_JOBS:-4}" \
-            --deadline $((S - 150)) --json "$OUT/head_dim_matrix_wide_bf16.jsonl" 2>&1 | tail -n 40
+            --deadline $((S - 100)) --json "$OUT/head_dim_matrix_wide_bf16.jsonl" 2>&1 | tail -n 40
         ;;
     wide_keys)
         # What the fp32 detour for bf16 past 128 key columns costs against bf16 kernels.
         timeout "$BENCH_S" python3 benchmarks/wide_keys.py --no-shared-machine \
-            --out "$OUT/wide_keys.json" 2>&1 | tail -n 20
+            --rounds "${ROUNDS:-5}" --out "$OUT/wide_keys.json" 2>&1 | tail -n 20
         ;;
     repro32)
         # A kernel of the recurrence's shape, no kda_ops code: is the 32-column error Triton's?
