@@ -10,39 +10,41 @@ C tokens with in-chunk cumulative log-decay G and Γ = exp(G):
 - ``T = (I + diag(β) Akk)⁻¹`` (unit lower triangular), ``U = T diag(β) V``,
   ``W = T diag(β) (K ⊙ Γ)``: β scales the ``[C, C]`` matrices' rows and columns, not the
   ``[C, D]`` ones;
-- across chunks ``S ← diag(Γ_C) S + K̃ᵀ (U - W S)``, ``K̃ = K ⊙ Γ_C / Γ``: two ``[C, K] ×
-  [K, V]``-sized products per chunk, ``U' = U - W S`` and the update; then, for every chunk
-  of the step at once, ``O = (Q ⊙ Γ) S₀ + Aqk U'`` from each chunk's starting state S₀.
-  (Forming ``M = diag(Γ_C) - K̃ᵀ W`` and ``E = K̃ᵀ U`` for all chunks, so that the serial
-  step is one product, costs two products more.)
+- across chunks ``S ← diag(Γ_C) S + K̃ᵀ (U - W S)``, ``K̃ = K ⊙ Γ_C / Γ``: two products
+  per chunk, ``[W; Q ⊙ Γ] S`` (the rows stacked once a step, so ``(Q ⊙ Γ) S₀`` needs no
+  copy of the chunk-start states S₀) and the update; then, for every chunk of the step at
+  once, ``O = (Q ⊙ Γ) S₀ + Aqk U'``. (Forming ``M = diag(Γ_C) - K̃ᵀ W`` and ``E = K̃ᵀ U``
+  for all chunks, so that the serial step is one product, costs two products more.)
 
 Why steps: onnxruntime runs each node over its whole tensor, so a graph batched over the
 whole sequence streams ``[chunks, heads, C, C]`` tensors (2 MiB at T = 2048) through
 memory some 60 times, at about a quarter of the speed it runs the same node on a step's
-256 KiB, which stays in the CPU's cache. A step (:data:`STEP_CHUNKS` chunks) gathers its
+256 KiB, which stays in the CPU's cache. A step (:data:`STEP_TOKENS` tokens) gathers its
 tokens head-major from the inputs, applies the in-kernel options (l2norm, gate, beta's
 sigmoid), does every within-chunk product for its chunks at once, unrolls the serial part
 over them and writes its outputs; the ``Scan`` carries the state from step to step.
 32-token chunks cost half the within-chunk products of 64-token ones per token for twice
 the serial steps, the cheaper trade here (measured: ``docs/onnx.md``).
 
-Per-channel decay (KDA) with the safe gate and a lower bound of -5 or above (K3's): the
-pairwise factors of every pair of 16-token blocks (b, c) at once, row block b factored at
-its first token ``r_b``, column block c at its last token ``e_c``: ``exp(G_i - G_j) =
-exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``. Off the diagonal (c < b) all
-three factors are at most 1, so one that underflows stands for a product that does; on
-it (c = b) the bound keeps the middle factor within ``exp(75)`` and the outer ones above
-``exp(-75)``, inside float32 (FlashKDA's 16-token rule). The middle factor scales the
-keys (``[.., b, C, K]``, twice their size), and one batched product gives ``Aqk``,
-another ``Akk``. Without a bound, for any log-decay ``g <= 0`` (what both gate forms
-produce), by recursive halving of the chunk: a block's causal pairs are those within each
-half (recursion) and those from its second half to its first, whose factor splits at
-``r``, the last token of the first half: ``exp(G_i - G_j) = exp(G_i - G_r) · exp(G_r -
-G_j)`` with ``j <= r < i``, both factors at most 1, one matrix product per block; a
-one-token block is ``x_i · k_i``. Neither forms a ``[C, C, K]`` tensor (the reference's
-``exp(G_i - G_j)`` over all causal pairs costs C times the inputs' size). A scalar decay
-per head (Gated DeltaNet) takes the ``[C, C]`` matrix ``exp(G_i - G_j + m)``, m = -inf
-where the pair is not causal (strictly, for ``Akk``).
+Per-channel decay (KDA) with the safe gate and a lower bound of -5 or above (K3's) takes
+16-token chunks (:data:`BLOCK`) factored at the chunk's start: ``exp(G_i - G_j) = Γ_i /
+Γ_j``, ``Γ`` within ``[exp(-80), 1]``, ``1 / Γ`` within ``[1, exp(80)]``, inside float32
+for ``|k|`` up to some 6e3 (FlashKDA's 16-token rule); a pair that is not causal has a
+factor of at most ``exp(75)`` and is masked after the product. ``Q ⊙ Γ`` and ``K ⊙ Γ``
+are the rows of one product with ``(K / Γ)ᵀ`` that gives ``Aqk`` and ``Akk``, and serve
+the state's products; the update takes ``K / Γ`` too, with the chunk's decay after it:
+``S ← Γ_C ⊙ (S + (K / Γ)ᵀ U')``. Three ``[C, K]`` factors a chunk (against about ten for
+32-token chunks of two 16-token blocks with a factor between them, which cost more than
+the serial steps they save: measured, ``docs/onnx.md``). Without a bound, for any
+log-decay ``g <= 0`` (what both gate forms produce), by recursive halving of the chunk: a
+block's causal pairs are those within each half (recursion) and those from its second
+half to its first, whose factor splits at ``r``, the last token of the first half:
+``exp(G_i - G_j) = exp(G_i - G_r) · exp(G_r - G_j)`` with ``j <= r < i``, both factors at
+most 1, one matrix product per block; a one-token block is ``x_i · k_i``. Neither forms a
+``[C, C, K]`` tensor (the reference's ``exp(G_i - G_j)`` over all causal pairs costs C
+times the inputs' size). A scalar decay per head (Gated DeltaNet) takes the ``[C, C]``
+matrix ``exp(G_i - G_j + m)``, m = -inf where the pair is not causal (strictly, for
+``Akk``).
 
 The triangular inverse is recursive: ``(I + L)⁻¹`` of a 16×16 block is the nilpotent
 product ``(I - L)(I + L²)(I + L⁴)(I + L⁸)`` (``L¹⁶ = 0``); two halves combine as
@@ -75,11 +77,11 @@ from onnxscript import opset18 as op
 from lowering import onnx as kda_onnx
 
 CHUNK = 32  # tokens per chunk: the UT transform's size
-STEP_CHUNKS = 8  # chunks per Scan step: a step's [B HV, n, C, C] tensors stay in cache
+STEP_TOKENS = 256  # tokens per Scan step: a step's [B HV, n, C, C] tensors stay in cache
 BLOCK = 16  # the triangular inverse's blocks inverted by the nilpotent product
-# The safe gate's decay per token is above its lower bound, so a block of BLOCK tokens
-# factored at its first token has factors within exp(±(BLOCK - 1) * 5) = exp(±75), inside
-# float32 (exp(88.7)) with room for |k| up to 1e5: such blocks are one product each.
+# The safe gate's decay per token is above its lower bound, so a chunk of BLOCK tokens
+# factored at its start has factors within exp(±BLOCK * 5) = exp(±80), inside float32
+# (exp(88.7)) with room for |k| up to some 6e3: such chunks need no split of their factors.
 FACTORED_BLOCK_LOWER_BOUND = -5.0
 ELEMENTWISE_HALF = 2  # halves up to this size pair up by broadcast products, not MatMul
 _scan_ids = itertools.count()  # a prefix for each Scan body's value names
@@ -122,7 +124,9 @@ def _unit_lower_inverse(lower: Value, n: int) -> Value:
     return op.Concat(op.Concat(top, zeros, axis=-1), op.Concat(corner, bottom, axis=-1), axis=-2)
 
 
-def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value]:
+def _pairwise_decayed(
+    q: Value, k: Value, cum: Value, head_k: int, chunk: int
+) -> tuple[Value, Value]:
     """``(Aqk, Akk)`` before masking, ``[N, n, C, C]``: ``sum_c x_i[c] k_j[c] exp(G_i[c] -
     G_j[c])`` for x = q and x = k over causal pairs ``j <= i`` (0 elsewhere). q, k, cum
     ``[N, n, C, K]``.
@@ -132,13 +136,13 @@ def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Valu
     token of the first half: ``x_i exp(G_i - G_r)`` times ``k_j exp(G_r - G_j)``, each
     factor at most 1 for a log-decay ``g <= 0``, one matrix product per block. A
     one-token block is the plain product ``x_i · k_i``. For any log-decay ``g <= 0``; with
-    a known lower bound :func:`_blockwise_decayed` takes fewer nodes."""
+    a known lower bound :func:`_bounded_decayed` takes fewer nodes."""
     rows = op.Concat(op.Unsqueeze(q, [2]), op.Unsqueeze(k, [2]), axis=2)  # [N, n, 2, C, K]
     # [N, n, 2, C, 1, 1]: the diagonal, exp(0) = 1.
     blocks = op.Unsqueeze(op.ReduceSum(rows * op.Unsqueeze(k, [2]), [-1], keepdims=0), [-1, -2])
     half = 1
-    while half < CHUNK:
-        count = CHUNK // (2 * half)
+    while half < chunk:
+        count = chunk // (2 * half)
         split = op.Constant(value_ints=[0, 0, count, 2, half, head_k])
         cum_b, k_b = op.Reshape(cum, split), op.Reshape(k, split)  # [N, n, m, 2, h, K]
         rows_b = op.Reshape(rows, op.Constant(value_ints=[0, 0, 2, count, 2, half, head_k]))
@@ -162,57 +166,40 @@ def _pairwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Valu
             op.Concat(top, zeros, axis=-1), op.Concat(corner, bottom, axis=-1), axis=-2
         )
         half *= 2
-    full = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 2, CHUNK, CHUNK]))
+    full = op.Reshape(blocks, op.Constant(value_ints=[0, 0, 2, chunk, chunk]))
     aqk = op.Squeeze(op.Slice(full, [0], [1], [2]), [2])
     akk = op.Squeeze(op.Slice(full, [1], [2], [2]), [2])
     return aqk, akk
 
 
-def _blockwise_decayed(q: Value, k: Value, cum: Value, head_k: int) -> tuple[Value, Value, Value]:
+def _bounded_decayed(
+    q: Value, k: Value, cum: Value, chunk: int
+) -> tuple[Value, Value, Value, Value, Value]:
     """The decayed products of a log-decay bounded below by
-    :data:`FACTORED_BLOCK_LOWER_BOUND`, every pair of a chunk's 16-token blocks at once.
-    q, k, cum ``[N, n, C, K]``. Returns ``Aqk`` and ``Akk`` masked (causal; strictly for
-    ``Akk``) ``[N, n, C, C]``, and ``K̃ = K ⊙ Γ_C / Γ`` ``[N, n, C, K]``.
+    :data:`FACTORED_BLOCK_LOWER_BOUND`, in chunks of ``chunk`` <= :data:`BLOCK` tokens: q,
+    k, cum ``[N, n, C, K]``. Returns ``Aqk`` and ``Akk`` masked (causal; strictly for
+    ``Akk``) ``[N, n, C, C]``, ``K / Γ``, ``Q ⊙ Γ`` and ``K ⊙ Γ`` ``[N, n, C, K]``.
 
-    Row block b is factored at its first token ``r_b``, column block c at its last token
-    ``e_c``: ``exp(G_i - G_j) = exp(G_i - G_r_b) · exp(G_r_b - G_e_c) · exp(G_e_c - G_j)``.
-    For c < b all three factors are at most 1, so a factor that underflows stands for a
-    product that does too; for c = b the middle one is at most ``exp(-(BLOCK - 1) *
-    bound)`` = ``exp(75)`` and the outer ones at least ``exp(-75)`` (FlashKDA's 16-token
-    rule); for c > b (no causal pair) the middle factor is ``exp(-inf) = 0``. The middle
-    factor scales the keys, ``[N, n, b, C, K]`` (C / 16 times the keys' size); one batched
-    product of q's rows with them gives ``Aqk``, one of k's rows ``Akk``. The column
-    factor comes from the row factor's exponential, ``exp(G_e_b - G_j) = exp(G_e_b -
-    G_r_b) / exp(G_j - G_r_b)`` (both within ``[exp(-75), 1]``), and ``Γ_C / Γ = exp(G_e_b
-    - G) · exp(G_C - G_e_b)``, each factor at most 1."""
-    blocks = CHUNK // BLOCK
-    by_block = op.Constant(value_ints=[0, 0, blocks, BLOCK, head_k])
-    cum_b = op.Reshape(cum, by_block)  # [N, n, NB, L, K]
-    first = op.Slice(cum_b, [0], [1], [3])  # [N, n, NB, 1, K]
-    last = op.Slice(cum_b, [BLOCK - 1], [BLOCK], [3])
-    to_first = op.Exp(cum_b - first)  # [N, n, NB, L, K], within [exp(-75), 1]
-    keys_b = op.Reshape(k, by_block) * (op.Exp(last - first) / to_first)  # <= 1
-    # [N, n, NB(b), NB(c), 1, K]: exp(G_r_b - G_e_c), 0 where c > b.
-    above = np.triu(np.full((blocks, blocks), -np.inf, dtype=np.float32), 1)
-    middle = op.Exp(
-        op.Unsqueeze(first, [3]) - op.Unsqueeze(last, [2]) + _const(above[:, :, None, None])
-    )
-    keys = op.Reshape(
-        middle * op.Unsqueeze(keys_b, [2]), op.Constant(value_ints=[0, 0, blocks, CHUNK, head_k])
-    )  # [N, n, NB(b), C, K]
-    causal = np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32))
-    square = op.Constant(value_ints=[0, 0, CHUNK, CHUNK])
-    products = []
-    for rows, mask in ((q, causal), (k, np.tril(causal, -1))):  # Akk without diagonal
-        rows_b = op.Reshape(rows, by_block) * to_first
-        # A Transpose of its own for each product, so that onnxruntime folds each in (transB).
-        product = op.MatMul(rows_b, op.Transpose(keys, perm=[0, 1, 2, 4, 3]))
-        products.append(op.Reshape(product, square) * _const(mask))
-    chunk_last = op.Unsqueeze(op.Slice(cum, [CHUNK - 1], [CHUNK], [2]), [2])  # [N, n, 1, 1, K]
-    keys_decayed = op.Reshape(
-        keys_b * op.Exp(chunk_last - last), op.Constant(value_ints=[0, 0, CHUNK, head_k])
-    )  # fmt: skip
-    return products[0], products[1], keys_decayed
+    Every factor is taken at the chunk's start: ``exp(G_i - G_j) = Γ_i / Γ_j``, with
+    ``Γ = exp(G)`` within ``[exp(-80), 1]`` and ``1 / Γ`` within ``[1, exp(80)]`` (16
+    tokens of at least -5 each), inside float32 (exp(88.7)) for ``|k|`` up to some 6e3;
+    a pair that is not causal (j > i) has a factor of at most ``exp(75)`` (FlashKDA's
+    16-token rule) and is masked after the product. ``Q ⊙ Γ`` and ``K ⊙ Γ``, the rows of
+    ``Aqk`` and ``Akk``, serve the state's products too, and ``K / Γ``, their columns, the
+    state's update (:func:`_across_chunks` with ``decay_after``), so no ``[C, K]`` factor
+    is formed twice."""
+    gamma = op.Exp(cum)
+    q_decayed, k_decayed = q * gamma, k * gamma
+    k_grown = k / gamma
+    # One product for both, q's and k's rows stacked, (K / Γ)ᵀ through a Transpose that
+    # onnxruntime folds into it (transB).
+    rows = op.Concat(q_decayed, k_decayed, axis=2)  # [N, n, 2 C, K]
+    both = op.MatMul(rows, op.Transpose(k_grown, perm=[0, 1, 3, 2]))
+    causal = np.tril(np.ones((chunk, chunk), dtype=np.float32))
+    masks = np.stack([causal, np.tril(causal, -1)])[None, None]  # [1, 1, 2, C, C]
+    both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, chunk, chunk])) * _const(masks)
+    aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
+    return aqk, akk, k_grown, q_decayed, k_decayed
 
 
 def _recorder() -> object:
@@ -289,7 +276,7 @@ def _gate_parameters(
     exp(A_log); None where there is no gate or no dt_bias."""
     if A_log is None:
         return None, None
-    grid = op.Constant(value_ints=[1, value_heads, STEP_CHUNKS * CHUNK, gate_width])
+    grid = op.Constant(value_ints=[1, value_heads, STEP_TOKENS, gate_width])
     rate = op.Reshape(op.Exp(kda_onnx._f32(A_log)), op.Constant(value_ints=[value_heads, 1, 1]))
     bias = None
     if dt_bias is not None:
@@ -314,6 +301,7 @@ def _l2norm(x: Value, scale: float) -> Value:
 def _step_tokens(
     plan: _Tokens, index_qk: Value, index_v: Value, valid: Value, A_log: Optional[Value],
     scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    chunk: int,
 ) -> tuple[Value, Value, Value, Value, Value]:  # fmt: skip
     """A step's tokens gathered head-major (``index_*`` ``[HV, S]``: rows of
     ``plan.sources``) with the in-kernel options applied, as
@@ -349,7 +337,7 @@ def _step_tokens(
     head_k = q.shape[-1]
     widths = [head_k, head_k, v.shape[-1], plan.gate_width, 1]
     chunked = [
-        op.Reshape(x, op.Constant(value_ints=[-1, STEP_CHUNKS, CHUNK, width]))
+        op.Reshape(x, op.Constant(value_ints=[-1, STEP_TOKENS // chunk, chunk, width]))
         for x, width in zip([qf, kf, vf, log_decay, beta_f], widths)
     ]
     chunked[3].shape = ir.Shape([None, None, None, plan.gate_width])  # read by _within_chunks
@@ -357,24 +345,27 @@ def _step_tokens(
 
 
 def _within_chunks(
-    q: Value, k: Value, v: Value, log_decay: Value, beta: Value, head_k: int, safe_gate: bool
-) -> tuple[Value, Value, Value, Value, Value, Value]:
+    q: Value, k: Value, v: Value, log_decay: Value, beta: Value, head_k: int, safe_gate: bool,
+    chunk: int,
+) -> tuple[Value, Value, Value, Value, Value, Value]:  # fmt: skip
     """Everything that does not depend on the state, for every chunk of a step at once:
     q, k ``[N, n, C, K]`` (N = B HV), v ``[N, n, C, V]``, log_decay ``[N, n, C, Kg]`` (Kg = 1
     for a decay per head), beta ``[N, n, C, 1]``. Returns (Aqk ``[N, n, C, C]``, W ``[N, n,
-    C, K]``, U ``[N, n, C, V]``, Q ⊙ Γ ``[N, n, C, K]``, K̃ ``[N, n, C, K]``, the chunk's
-    total decay ``[N, n, Kg, 1]``)."""
+    C, K]``, U ``[N, n, C, V]``, Q ⊙ Γ ``[N, n, C, K]``, the keys of the state's update
+    ``[N, n, C, K]``, the chunk's total decay ``[N, n, Kg, 1]``): the keys are ``K̃ = K ⊙
+    Γ_C / Γ``, or with ``safe_gate`` and a decay per channel ``K / Γ``, which
+    :func:`_across_chunks` decays after the update (``decay_after``)."""
     per_head = log_decay.shape is not None and log_decay.shape[-1] == 1
     cum = op.CumSum(log_decay, op.Constant(value_int=2))
-    last = op.Slice(cum, [CHUNK - 1], [CHUNK], [2])  # [N, n, 1, Kg]
+    last = op.Slice(cum, [chunk - 1], [chunk], [2])  # [N, n, 1, Kg]
     if safe_gate and not per_head:
-        aqk, akk, keys = _blockwise_decayed(q, k, cum, head_k)
+        aqk, akk, keys, q_decayed, k_decayed = _bounded_decayed(q, k, cum, chunk)
     else:
         if per_head:
             # [N, n, 2, C, C]: exp(G_i - G_j) over causal pairs (strictly causal for Akk),
             # 0 elsewhere: -inf added where the pair is none, so no overflow and no mask.
             pair = op.Unsqueeze(cum - op.Transpose(cum, perm=[0, 1, 3, 2]), [2])
-            causal = np.tril(np.ones((CHUNK, CHUNK), dtype=bool))
+            causal = np.tril(np.ones((chunk, chunk), dtype=bool))
             none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
             decays = op.Exp(pair + _const(none.astype(np.float32)))
             # One product for both, q's and k's rows stacked (onnxruntime's batched MatMul
@@ -382,49 +373,57 @@ def _within_chunks(
             # through a Transpose that onnxruntime folds into it.
             rows = op.Concat(q, k, axis=2)  # [N, n, 2 C, K]
             both = op.MatMul(rows, op.Transpose(k, perm=[0, 1, 3, 2]))
-            both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, CHUNK, CHUNK])) * decays
+            both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, chunk, chunk])) * decays
             aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
         else:
-            aqk, akk = _pairwise_decayed(q, k, cum, head_k)
-            akk = akk * _const(np.tril(np.ones((CHUNK, CHUNK), dtype=np.float32), -1))
+            aqk, akk = _pairwise_decayed(q, k, cum, head_k, chunk)
+            akk = akk * _const(np.tril(np.ones((chunk, chunk), dtype=np.float32), -1))
         keys = k * op.Exp(last - cum)
-    gamma = op.Exp(cum)  # Γ <= 1: one that underflows stands for a product that does
+        gamma = op.Exp(cum)  # Γ <= 1: one that underflows stands for a product that does
+        q_decayed, k_decayed = q * gamma, k * gamma
     # β enters through the [C, C] matrices, not the [C, D] ones: diag(β) Akk, T diag(β).
-    inverse = _unit_lower_inverse(akk * beta, CHUNK)
-    inverse = inverse * op.Reshape(beta, op.Constant(value_ints=[0, 0, 1, CHUNK]))
+    inverse = _unit_lower_inverse(akk * beta, chunk)
+    inverse = inverse * op.Reshape(beta, op.Constant(value_ints=[0, 0, 1, chunk]))
     u = op.MatMul(inverse, v)
-    w = op.MatMul(inverse, k * gamma)
+    w = op.MatMul(inverse, k_decayed)
     decay = op.Reshape(op.Exp(last), op.Constant(value_ints=[0, 0, -1, 1]))
-    return aqk, w, u, q * gamma, keys, decay
+    return aqk, w, u, q_decayed, keys, decay
 
 
-def _chunk_parts(x: Value) -> list[Value]:
-    """``[N, n, ...]`` -> n tensors ``[N, 1, ...]``."""
-    if STEP_CHUNKS == 1:
+def _chunk_parts(x: Value, count: int) -> list[Value]:
+    """``[N, n, ...]`` -> n = count tensors ``[N, 1, ...]``."""
+    if count == 1:
         return [x]
-    return list(op.Split(x, axis=1, num_outputs=STEP_CHUNKS))
+    return list(op.Split(x, axis=1, num_outputs=count))
 
 
 def _across_chunks(
-    state: Value, aqk: Value, w: Value, u: Value, q_decayed: Value, keys: Value, decay: Value
-) -> tuple[Value, Value]:
-    """The serial part over a step's chunks, unrolled: per chunk ``U' = U - W S``,
-    ``S ← Γ_C ⊙ S + K̃ᵀ U'``; then for all of them at once ``O = (Q ⊙ Γ) S₀ + Aqk U'``
-    from each chunk's starting state S₀. state ``[N, 1, K, V]``, the rest as
-    :func:`_within_chunks` returns them. Returns (the state after the step, O ``[N, n, C,
-    V]``)."""
-    starts, new_values = [], []
-    for w_c, u_c, k_c, d_c in zip(*map(_chunk_parts, (w, u, keys, decay))):
-        starts.append(state)
-        new = u_c - op.MatMul(w_c, state)
-        # K̃ᵀ through a Transpose that onnxruntime folds into the product (transA).
-        state = d_c * state + op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new)
+    state: Value, aqk: Value, w: Value, u: Value, q_decayed: Value, keys: Value, decay: Value,
+    count: int, decay_after: bool,
+) -> tuple[Value, Value]:  # fmt: skip
+    """The serial part over a step's ``count`` chunks, unrolled: per chunk ``[W; Q ⊙ Γ] S``
+    in one product (the rows stacked once for the step, so the output's ``(Q ⊙ Γ) S₀``
+    needs no copy of the chunk-start states), ``U' = U - W S``, ``S ← Γ_C ⊙ S + K̃ᵀ U'``
+    (with ``decay_after``, keys = ``K / Γ``: ``S ← Γ_C ⊙ (S + (K / Γ)ᵀ U')``, the decay
+    per key row after the update); then for all chunks at once ``O = (Q ⊙ Γ) S₀ + Aqk
+    U'``. state ``[N, 1, K, V]``, the rest as :func:`_within_chunks` returns them.
+    Returns (the state after the step, O ``[N, n, C, V]``)."""
+    rows = op.Concat(w, q_decayed, axis=2)  # [N, n, 2 C, K]
+    reads, new_values = [], []
+    parts = (_chunk_parts(x, count) for x in (rows, u, keys, decay))
+    for r_c, u_c, k_c, d_c in zip(*parts):
+        from_state, read = op.Split(op.MatMul(r_c, state), num_outputs=2, axis=2)
+        new = u_c - from_state
+        # keysᵀ through a Transpose that onnxruntime folds into the product (transA).
+        update = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), new)
+        state = d_c * (state + update) if decay_after else d_c * state + update
+        reads.append(read)
         new_values.append(new)
-    if STEP_CHUNKS > 1:
-        starts, new_values = op.Concat(*starts, axis=1), op.Concat(*new_values, axis=1)
+    if count > 1:
+        reads, new_values = op.Concat(*reads, axis=1), op.Concat(*new_values, axis=1)
     else:
-        starts, new_values = starts[0], new_values[0]
-    return state, op.MatMul(q_decayed, starts) + op.MatMul(aqk, new_values)
+        reads, new_values = reads[0], new_values[0]
+    return state, reads + op.MatMul(aqk, new_values)
 
 
 def chunked_delta_rule(
@@ -432,9 +431,10 @@ def chunked_delta_rule(
     dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
     scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
 ) -> tuple[Value, Value]:  # fmt: skip
-    """``kda.chunk`` in steps of :data:`STEP_CHUNKS` chunks of :data:`CHUNK` tokens
-    (portable mode). A one-token call (T = 1 known at export) and packed sequences
-    (``cu_seqlens``) take the token ``Scan`` (:func:`lowering.onnx.portable_delta_rule`)."""
+    """``kda.chunk`` in steps of :data:`STEP_TOKENS` tokens, chunks of :data:`CHUNK` tokens
+    (:data:`BLOCK` for a decay per channel under the safe gate's bound) (portable mode). A
+    one-token call (T = 1 known at export) and packed sequences (``cu_seqlens``) take the token
+    ``Scan`` (:func:`lowering.onnx.portable_delta_rule`)."""
     if cu_seqlens is not None or q.shape[1] == 1:
         return kda_onnx.portable_delta_rule(
             q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
@@ -446,7 +446,11 @@ def chunked_delta_rule(
         A_log is not None and lower_bound is not None
         and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
     )  # fmt: skip
-    tokens = STEP_CHUNKS * CHUNK
+    tokens = STEP_TOKENS
+    # Per-channel decays under the safe gate's bound take chunks of BLOCK tokens, factored
+    # at the chunk's start (_bounded_decayed); the others CHUNK.
+    bounded = safe_gate and gate_width > 1
+    chunk = BLOCK if bounded else CHUNK
     if initial_state is None:
         state = kda_onnx._zeros(q, value_heads, head_k, head_v)
     else:
@@ -489,9 +493,10 @@ def chunked_delta_rule(
     def step(state: Value, index_qk: Value, index_v: Value, valid: Value) -> tuple[Value, Value]:
         parts = _step_tokens(
             plan, index_qk, index_v, valid, A_log, scale, lower_bound, use_qk_l2norm,
-            use_beta_sigmoid,
+            use_beta_sigmoid, chunk,
         )  # fmt: skip
-        state, o = _across_chunks(state, *_within_chunks(*parts, head_k, safe_gate))
+        within = _within_chunks(*parts, head_k, safe_gate, chunk)
+        state, o = _across_chunks(state, *within, count=tokens // chunk, decay_after=bounded)
         # [N, n, C, V] -> [B, HV, S, V]: a Reshape, no copy.
         return state, op.Reshape(o, op.Constant(value_ints=[-1, value_heads, tokens, head_v]))
 
