@@ -19,7 +19,7 @@ files are, so that transformers binds FLA's kernels; the FLA rows name what it b
 
 ``--budget-s S``: no family, case or round starts after 0.9 S, and at S the run stops
 wherever it is (a case not finished is lost); the results file holds every finished case,
-as it is rewritten after each.
+as it is rewritten after each, and (``environment.stopped``) what stopped the run.
 """
 
 from __future__ import annotations
@@ -432,6 +432,15 @@ TABLE_HEADER = (
 )  # fmt: skip
 
 
+def stopped_at_deadline(results: Results, what: str) -> None:
+    """Notes in the file and the log that the budget's deadline (0.9 of it) stopped the run
+    between cases: ``budget of S s: WHAT``."""
+    stopped = f"budget of {results.environment['settings']['budget_s']} s: {what}"
+    results.environment["stopped"] = stopped
+    results.write()
+    print(stopped, flush=True)
+
+
 def measure_family(name: str, s: Settings, results: Results) -> None:
     model = build(name, s)
     bindings = kernel_bindings(model)
@@ -455,7 +464,7 @@ def measure_family(name: str, s: Settings, results: Results) -> None:
             for make_case in (functools.partial(prefill_case, name, model, batch, length, s),
                               functools.partial(decode_case, name, model, batch, s)):  # fmt: skip
                 if _past(s.deadline):
-                    print(f"budget: no more cases of {name}", flush=True)
+                    stopped_at_deadline(results, f"no more cases of {name}")
                     return
                 measure_case(name, make_case(), paths, s, results)
 
@@ -535,7 +544,7 @@ def run(args: argparse.Namespace, progress: Progress) -> None:
     print(TABLE_HEADER, flush=True)
     for name in names:
         if _past(s.deadline):
-            print(f"budget: not starting {name}", flush=True)
+            stopped_at_deadline(results, f"not starting {name}")
             break
         progress.at = name
         try:
