@@ -44,6 +44,14 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# The checkout runs from PYTHONPATH, not installed: its entry points (pyproject.toml's
+# torch_dynamo_backends, which backend="kda" is looked up by) go in as a dist-info.
+mkdir -p /tmp/site/kda_ops_checkout-0.dist-info
+printf 'Metadata-Version: 2.1\nName: kda-ops-checkout\nVersion: 0\n' \
+    >/tmp/site/kda_ops_checkout-0.dist-info/METADATA
+sed -n '/^\[project.entry-points.torch_dynamo_backends\]/,/^$/p' pyproject.toml \
+    | sed 's/^\[project.entry-points./[/; s/"//g' >/tmp/site/kda_ops_checkout-0.dist-info/entry_points.txt
+case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH="$PYTHONPATH:/tmp/site" ;; esac
 if [ -d .peers/FlashKDA ]; then
     export PYTHONPATH="$PYTHONPATH:$PWD/.peers/FlashKDA"
 fi
