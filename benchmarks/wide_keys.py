@@ -1,9 +1,8 @@
-"""What the plan's rule 2 costs: bf16 ``chunk_kda`` past 128 key columns computed in fp32
-(``kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM`` = 128, the detour) against the same call in bf16
-(the limit raised to the key width), forward and training step (forward + backward), in
-rounds of rotated order. Each row also gives both results' relative error against the
-float64 reference on the first two heads, so the time saved is read beside the accuracy
-it keeps.
+"""bf16 ``chunk_kda`` past 128 key columns in bf16 against the same call on float32 copies
+of q, k and v (what the plan computed such calls in before the bf16 kernels served them),
+forward and training step (forward + backward), in rounds of rotated order. Each forward
+row also gives its relative error against the float64 reference on the first two heads,
+so the time is read beside the accuracy.
 
 Usage (GPU): ``python benchmarks/wide_keys.py [--keys 192 256] [--length 8192]
 [--heads 16] [--rounds 5] [--no-shared-machine] [--out benchmarks/results/wide_keys.json]``.
@@ -20,10 +19,9 @@ from harness import relative_error, rotated_rounds, time_ms
 from results import Results, add_arguments, row
 
 import kda_ops
-import kda_ops.plan
 
-DETOUR_LIMIT = 128
 REFERENCE_HEADS = 2
+PATHS = {"fp32 copies": torch.float32, "bf16": torch.bfloat16}
 OPTIONS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)  # fmt: skip
 
@@ -40,22 +38,14 @@ def inputs(batch: int, length: int, heads: int, key_dim: int, value_dim: int) ->
     )  # fmt: skip
 
 
-def with_limit(limit: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` run with the plan's bf16 key-width limit set to ``limit``."""
-
-    def limited():
-        saved = kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM
-        kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM = limit
-        try:
-            return call()
-        finally:
-            kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM = saved
-
-    return limited
+def in_dtype(args: dict, dtype: torch.dtype) -> dict:
+    """``args`` with q, k and v in ``dtype`` (the gate, beta and parameters as they are)."""
+    return {n: (x.to(dtype) if n in ("q", "k", "v") else x) for n, x in args.items()}
 
 
 def forward(args: dict) -> Callable[[], torch.Tensor]:
-    return lambda: kda_ops.chunk_kda(**args, **OPTIONS)[0]
+    """The forward, o in bf16 (as the plan's float32 path returned it)."""
+    return lambda: kda_ops.chunk_kda(**args, **OPTIONS)[0].bfloat16()
 
 
 def training(args: dict, grad_o: torch.Tensor) -> Callable[[], None]:
@@ -63,22 +53,21 @@ def training(args: dict, grad_o: torch.Tensor) -> Callable[[], None]:
 
     def step():
         o = kda_ops.chunk_kda(**leaves, **OPTIONS)[0]
-        o.backward(grad_o)
+        o.backward(grad_o.to(o.dtype))
         for x in leaves.values():
             x.grad = None
 
     return step
 
 
-def reference_error(args: dict, limit: int) -> float:
-    """Relative error of the forward output at ``limit`` on the first heads against
+def reference_error(args: dict, dtype: torch.dtype) -> float:
+    """Relative error of the forward with q, k, v in ``dtype`` on the first heads against
     float64."""
     few = {n: (x[:, :, :REFERENCE_HEADS] if x.dim() > 1 else x) for n, x in args.items()}
     few["A_log"] = args["A_log"][:REFERENCE_HEADS]
     few["dt_bias"] = args["dt_bias"][: REFERENCE_HEADS * args["q"].shape[-1]]
-    got = with_limit(limit, forward(few))()
-    wide = {n: x.double() for n, x in few.items()}
-    expected = kda_ops.chunk_kda(**wide, **OPTIONS)[0]
+    got = forward(in_dtype(few, dtype))()
+    expected = kda_ops.chunk_kda(**{n: x.double() for n, x in few.items()}, **OPTIONS)[0]
     return relative_error(got, expected)
 
 
@@ -100,21 +89,20 @@ def main(argv: list[str] | None = None) -> int:
         case_inputs = inputs(args.batch, args.length, args.heads, key_dim, args.value_dim)
         grad_o = torch.randn_like(case_inputs["v"])
         case = f"{args.batch}x{args.length} H{args.heads} K{key_dim} V{args.value_dim} bf16"
-        limits = {"fp32 detour": DETOUR_LIMIT, "bf16": key_dim}
         for step, make in (("forward", forward), ("training", None)):
             calls = {
-                name: with_limit(
-                    limit, make(case_inputs) if make else training(case_inputs, grad_o)
-                )
-                for name, limit in limits.items()
+                name: make(in_dtype(case_inputs, dtype))
+                if make
+                else training(in_dtype(case_inputs, dtype), grad_o)
+                for name, dtype in PATHS.items()
             }
             for call in calls.values():  # compile outside the timed rounds
                 call()
             times = rotated_rounds(calls, args.rounds, time_ms)
             for name, values in times.items():
-                extra = {"step": step, "path": name, "limit": limits[name]}
+                extra = {"step": step, "path": name}
                 if step == "forward":
-                    extra["relative_error"] = reference_error(case_inputs, limits[name])
+                    extra["relative_error"] = reference_error(case_inputs, PATHS[name])
                 results.add(row(case, "kda-ops", f"{step} {name}", values, "ms", **extra))
                 spread = f"[{min(values):.3f}-{max(values):.3f}]"
                 error = f" err {extra['relative_error']:.2e}" if "relative_error" in extra else ""

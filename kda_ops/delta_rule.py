@@ -95,9 +95,8 @@ def chunk_kda(
 
     Args:
         q, k: ``[B, T, H, K]``, float16 / bfloat16 / float32 / float64; q, k and v of
-            different dtypes are computed in the widest of them; float16, and bfloat16
-            past 128 key columns, in float32 (``kda_ops.plan``; ``kda_ops.explain`` says
-            how a call runs).
+            different dtypes are computed in the widest of them; float16 in float32
+            (``kda_ops.plan``; ``kda_ops.explain`` says how a call runs).
         v: ``[B, T, HV, V]`` with ``HV % H == 0``; value head ``hv`` reads q/k head
             ``hv // (HV // H)``. K, V <= 256.
         g: log-decay ``[B, T, HV, K]`` (KDA) or ``[B, T, HV]`` (Gated DeltaNet), or the raw

@@ -7,22 +7,23 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
 
 1. The chunk function computes float16 inputs in float32: the chunk kernels' fp16
    intermediates (w, u, qg, kd, Aqk) missed FLA's tolerances.
-2. It computes bfloat16 inputs past ``BF16_CHUNK_MAX_KEY_DIM`` key columns in float32:
-   the bf16 chunk recurrence past 128 key columns returned wrong states on the GPU in the
-   training forward's 64-token steps at 32 value columns (an H100, Triton 3.6:
-   ``benchmarks/results/recurrence_probe_64_steps_h100.log``), which the scans no longer
-   take there (``kernels.chunk.planning.scan_column_splits``). With that, random bf16
-   calls at K = 192 / 256 with this rule lifted passed on an H100
-   (``fuzz_wide_bf16_seed1_h100.jsonl``), but few were training calls: the rule stays
-   until the head-dim matrix passes in bf16. One rule for forward and backward, since a
-   call's forward and backward must compute in one dtype.
-3. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
+2. Off CUDA the PyTorch reference is the kernel (the CPU build of every op), in the same
    compute dtype.
-4. float64 inputs run the reference on any device: it is the oracle's dtype, which the
+3. float64 inputs run the reference on any device: it is the oracle's dtype, which the
    Triton kernels (fp32 accumulation) do not compute in.
-5. On CUDA without Triton the reference serves the call, much slower.
+4. On CUDA without Triton the reference serves the call, much slower.
 
-On CUDA, rules 1, 2 and 5 give a slower path than the inputs ask for: the first call that
+bfloat16 is computed in bfloat16 at every key width. Past 128 key columns the chunk
+recurrence once returned wrong states in the training forward's 64-token steps at 32 value
+columns; a kernel of that loop with no kda_ops code is wrong the same way on an H100 with
+Triton 3.6 (``tools/triton_repro_32cols.py``, ``benchmarks/results/triton_repro_32cols_h100.log``),
+and the 16-bit scans past 128 key columns never take 32 columns
+(``kernels.chunk.planning.scan_column_splits``). So planned, the head-dim matrix's bf16
+cells at K = 192 and 256 pass forward and backward
+(``benchmarks/results/head_dim_matrix_wide_bf16_h100.jsonl``), and the forward takes a
+fortieth of the time it took computed in float32 (``benchmarks/results/wide_keys_h100.json``).
+
+On CUDA, rules 1 and 4 give a slower path than the inputs ask for: the first call that
 takes one warns, once per rule, naming the reason. :func:`explain` returns the plan
 for given inputs without running anything. :func:`support_matrix` asks :func:`decide` for
 every kind, device, dtype, key width and Triton install, and
@@ -44,15 +45,8 @@ from kda_ops.validation import MAX_HEAD_DIM
 Kind = Literal["chunk", "recurrent"]
 Implementation = Literal["triton", "reference"]
 
-# Past this many key columns bf16 chunk inputs are computed in fp32 (rule 2).
-BF16_CHUNK_MAX_KEY_DIM = 128
-
 FP16_IN_FP32 = (
     "float16 chunk inputs are computed in float32 (fp16 intermediates miss FLA's tolerances)"
-)
-WIDE_BF16_IN_FP32 = (
-    f"bfloat16 chunk inputs past {BF16_CHUNK_MAX_KEY_DIM} key columns are computed in float32 "
-    "(the bf16 chunk recurrence returned wrong states there)"
 )
 NO_TRITON = "Triton is not installed: the PyTorch reference serves CUDA inputs (much slower)"
 FLOAT64 = "float64 inputs run the PyTorch reference (the oracle's dtype)"
@@ -62,7 +56,7 @@ TRAIN_OP_DTYPE = (
     "runs the PyTorch reference (chunk_kda converts them first)"
 )
 # The rules that make a call slower or less precise than its inputs ask for.
-WARNED = (FP16_IN_FP32, WIDE_BF16_IN_FP32, NO_TRITON, TRAIN_OP_DTYPE)
+WARNED = (FP16_IN_FP32, NO_TRITON, TRAIN_OP_DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +89,6 @@ def decide(kind: Kind, device_type: str, dtype: torch.dtype, head_k: int,
     compute, reasons = dtype, ()
     if kind == "chunk" and dtype == torch.float16:
         compute, reasons = torch.float32, (FP16_IN_FP32,)
-    elif kind == "chunk" and dtype == torch.bfloat16 and head_k > BF16_CHUNK_MAX_KEY_DIM:
-        compute, reasons = torch.float32, (WIDE_BF16_IN_FP32,)
     if device_type != "cuda":
         return DeltaRulePlan(kind, "reference", compute, (OFF_CUDA, *reasons))
     if dtype == torch.float64:

@@ -19,12 +19,13 @@
 # the background, SANITIZE_S each; the fuzz cases FUZZ_INDICES rerun alone; with .branch/
 # (a `git archive` of another branch's kda_ops) its fuzz case 3 too; `wait` waits for
 # them; SANITIZE_JOBS names a subset), tests_files (each GPU test file alone, TEST_FILES),
-# matrix_wide (the head-dim matrix's bf16 cells past 128 key columns in bf16), wide_keys
-# (their time against the fp32 detour), wy_probe / branch_tests (.branch's scalar-gate WY
-# kernel in launch variants; its GDN GPU tests; branch_gdn: its GDN rows), repro32 (tools/triton_repro_32cols.py),
-# fuzz_wide (the bf16 cases past 128 key columns with
-# kda_ops.plan's bf16 limit raised; FUZZ_ARGS: more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times). Wheels in .whl/ are installed first (into /tmp/site, ahead of the
-# image's packages), and FlashKDA from .peers/FlashKDA where it was built.
+# matrix_wide (the head-dim matrix's bf16 cells past 128 key columns), wide_keys (their
+# time against fp32 copies), wy_probe / branch_tests / branch_gdn (.branch's scalar-gate WY
+# kernel in launch variants, its GDN GPU tests, its GDN rows), repro32
+# (tools/triton_repro_32cols.py), fuzz_wide (the bf16 cases past 128 key columns; FUZZ_ARGS:
+# more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times).
+# Wheels in .whl/ are installed first (into /tmp/site, ahead of the image's packages), and
+# FlashKDA from .peers/FlashKDA where it was built.
 # .whl/ holds fla_core-0.6.0 (1.1 MB), einops-0.8.2 (66 kB) and transformers-5.24.0
 # (13.5 MB), all py3-none-any. transformers 5.24.0 needs no other wheel: the image's
 # transformers 5.17.0 declares the same requirements (huggingface-hub aside: 5.24 takes
@@ -151,15 +152,14 @@ run_phase() {
             | tail -n 40
         ;;
     matrix_wide)
-        # The head-dim matrix's bf16 cells past 128 key columns with the plan's bf16 limit
-        # raised: the chunk kernels themselves, forward and both backwards.
+        # The head-dim matrix's bf16 cells past 128 key columns: forward and both backwards.
         S=${MATRIX_S:-$BENCH_S}
         timeout "$S" python3 tools/head_dim_matrix.py --dims 192 256 --pairs 256x64 192x128 \
-            --dtypes bfloat16 --bf16-chunk-max-key-dim 256 --jobs "${MATRIX_JOBS:-4}" \
+            --dtypes bfloat16 --jobs "${MATRIX_JOBS:-4}" \
             --deadline $((S - 100)) --json "$OUT/head_dim_matrix_wide_bf16.jsonl" 2>&1 | tail -n 40
         ;;
     wide_keys)
-        # What the fp32 detour for bf16 past 128 key columns costs against bf16 kernels.
+        # bf16 past 128 key columns against the same call on fp32 copies.
         timeout "$BENCH_S" python3 benchmarks/wide_keys.py --no-shared-machine \
             --rounds "${ROUNDS:-5}" --out "$OUT/wide_keys.json" 2>&1 | tail -n 20
         ;;
@@ -180,10 +180,10 @@ run_phase() {
             --tb=short tests/kda_ops/test_gpu_gdn.py 2>&1 | tee "$OUT/branch_tests.log" | tail -n 30)
         ;;
     fuzz_wide)
-        # bf16 past 128 key columns through the chunk kernels (the plan's limit raised).
+        # bf16 past 128 key columns through the chunk kernels, every entry point.
         timeout "${FUZZ_WIDE_S:-150}" python3 tools/fuzz.py --cases 600 --seed "${FUZZ_SEED:-0}" \
             --select dtype=bfloat16 --select K=192,256 \
-            --select entry=chunk,chunk_train,segmented,op,verify --bf16-chunk-max-key-dim 256 \
+            --select entry=chunk,chunk_train,segmented,op,verify \
             --jobs "${FUZZ_JOBS:-4}" --timeout 240 --out "$OUT/fuzz_wide.jsonl" 2>&1 | tail -n 40
         ;;
     models)

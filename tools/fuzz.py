@@ -20,8 +20,8 @@ Usage (from the repository root; CUDA runs the kernels, CPU the reference)::
 
     python tools/fuzz.py --cases 300 --seed 0 --out fuzz.jsonl [--jobs 4] [--timeout 300]
     python tools/fuzz.py --seed 0 --index 17          # one case, in this process
-    python tools/fuzz.py --cases 400 --select dtype=bfloat16 --select K=192,256 \
-        --bf16-chunk-max-key-dim 256                  # the drawn cases that match
+    python tools/fuzz.py --cases 400 --select dtype=bfloat16 --select K=192,256
+                                                      # the drawn cases that match
 """
 
 from __future__ import annotations
@@ -250,21 +250,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON lines, one a case")
     parser.add_argument("--select", action="append", default=[], metavar="KEY=V[,V...]",
                         help="run only the drawn cases with these values (repeatable)")  # fmt: skip
-    parser.add_argument("--bf16-chunk-max-key-dim", type=int, default=None, metavar="K",
-                        help="raise kda_ops.plan's bf16 limit (checks the bf16 chunk kernels "
-                             "past it before the plan lets them serve calls)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    extra = []
-    if args.bf16_chunk_max_key_dim is not None:
-        extra = ["--bf16-chunk-max-key-dim", str(args.bf16_chunk_max_key_dim)]
+    extra: list[str] = []  # arguments the per-case processes take beside the case
     if args.index is not None:
         import torch
 
-        if args.bf16_chunk_max_key_dim is not None:
-            import kda_ops.plan
-
-            kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM = args.bf16_chunk_max_key_dim
         case = draw(args.seed, args.index)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         try:

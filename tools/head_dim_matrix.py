@@ -13,8 +13,7 @@ Usage, from the repository root on a CUDA machine::
 
     python tools/head_dim_matrix.py --json matrix.jsonl --jobs 6 \
         [--dims 16 32 60 64 100 128 192 256] [--dtypes bfloat16 float16 float32] \
-        [--pairs 256x64 64x256] [--gates safe softplus] [--cell-timeout 400] \
-        [--bf16-chunk-max-key-dim 256]   # bf16 past 128 key columns in bf16, not fp32
+        [--pairs 256x64 64x256] [--gates safe softplus] [--cell-timeout 400]
 """
 
 from __future__ import annotations
@@ -49,17 +48,12 @@ def run_cell(
     gate: str,
     modes: list[str],
     device: str,
-    bf16_chunk_max_key_dim: Optional[int] = None,
 ) -> None:
     """One cell in this process; prints a JSON line when each case starts and ends (with
     the compute dtype the plan gave the call)."""
     import torch
 
     import kda_ops
-    import kda_ops.plan
-
-    if bf16_chunk_max_key_dim is not None:
-        kda_ops.plan.BF16_CHUNK_MAX_KEY_DIM = bf16_chunk_max_key_dim
 
     sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' accuracy metric
     from harness import relative_error
@@ -142,8 +136,6 @@ def launch(cell: tuple, args: argparse.Namespace, deadline: Optional[float]) -> 
         return [{**label, "not_run": "deadline"}]
     command = [sys.executable, __file__, "--cell", str(K), str(V), dtype, str(int(varlen)), gate,
                "--device", args.device, "--modes", *args.modes]  # fmt: skip
-    if args.bf16_chunk_max_key_dim is not None:
-        command += ["--bf16-chunk-max-key-dim", str(args.bf16_chunk_max_key_dim)]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=args.cell_timeout, cwd=REPO
@@ -174,8 +166,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=600.0)
     parser.add_argument("--deadline", type=float, help="seconds after which no cell starts")
     parser.add_argument("--json", type=Path, help="JSON lines, one per case")
-    parser.add_argument("--bf16-chunk-max-key-dim", type=int, default=None, metavar="K",
-                        help="raise kda_ops.plan's bf16 key-width limit (rule 2) to K")  # fmt: skip
     parser.add_argument("--cell", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cell:
@@ -183,7 +173,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_cell(
             K=int(K), V=int(V), dtype_name=dtype, varlen=varlen == "1", gate=gate,
             modes=args.modes, device=args.device,
-            bf16_chunk_max_key_dim=args.bf16_chunk_max_key_dim,
         )  # fmt: skip
         return 0
     deadline = None if args.deadline is None else time.monotonic() + args.deadline

@@ -1,7 +1,7 @@
 """One plan per delta-rule call (``kda_ops.plan``): its rules, ``kda_ops.explain``, the
 one-time warning, the support matrix the documents show, and every entry point (the public
 functions, the ops called directly, segmented, context-parallel, speculative, the FLA and
-transformers integrations) following the plan for float16, bfloat16 past 128 key columns
+transformers integrations) following the plan for float16, bfloat16 at 192 key columns
 and float64 on CPU, against the float64 token recurrence."""
 
 import dataclasses
@@ -41,8 +41,8 @@ _SPEC.loader.exec_module(support_matrix_tool)
         ("chunk", "cuda", torch.float32, 256, True, ("triton", torch.float32, ())),
         ("chunk", "cuda", torch.float16, 64, True, ("triton", torch.float32,
                                                     (plan.FP16_IN_FP32,))),
-        ("chunk", "cuda", torch.bfloat16, 192, True, ("triton", torch.float32,
-                                                      (plan.WIDE_BF16_IN_FP32,))),
+        ("chunk", "cuda", torch.bfloat16, 192, True, ("triton", torch.bfloat16, ())),
+        ("chunk", "cuda", torch.bfloat16, 256, True, ("triton", torch.bfloat16, ())),
         ("chunk", "cuda", torch.float64, 64, True, ("reference", torch.float64,
                                                     (plan.FLOAT64,))),
         ("chunk", "cuda", torch.bfloat16, 64, False, ("reference", torch.bfloat16,
@@ -63,7 +63,8 @@ def test_explain_takes_the_widest_dtype_and_names_the_kind():
     q = torch.zeros(1, 4, 1, 192, dtype=torch.bfloat16)
     decided = kda_ops.explain(q, q, q.float())
     assert decided.compute_dtype == torch.float32 and decided.reasons == (plan.OFF_CUDA,)
-    assert kda_ops.explain(q).compute_dtype == torch.float32
+    assert kda_ops.explain(q).compute_dtype == torch.bfloat16
+    assert kda_ops.explain(q.half()).compute_dtype == torch.float32
     assert kda_ops.explain(q, kind="recurrent").compute_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="`kind`"):
         kda_ops.explain(q, kind="chunked")
@@ -139,7 +140,7 @@ CASES = {
 CPU_PLANS = {
     # (case, kind): (compute dtype, reasons)
     ("float16", "chunk"): (torch.float32, (plan.OFF_CUDA, plan.FP16_IN_FP32)),
-    ("bfloat16_k192", "chunk"): (torch.float32, (plan.OFF_CUDA, plan.WIDE_BF16_IN_FP32)),
+    ("bfloat16_k192", "chunk"): (torch.bfloat16, (plan.OFF_CUDA,)),
     ("float64", "chunk"): (torch.float64, (plan.OFF_CUDA,)),
     # the token recurrence computes its state in fp32 whatever its inputs' dtype
     ("float16", "recurrent"): (torch.float16, (plan.OFF_CUDA,)),
@@ -505,9 +506,9 @@ def test_every_entry_point_follows_the_plan(name, case, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_the_chunk_op_called_directly_runs_the_kernels_in_float32(monkeypatch):
-    """kda::chunk with bf16 and K = 192 runs the Triton kernels on float32 copies (once
-    the reference, silently), announced once; its o is chunk_kda's."""
+def test_the_chunk_op_called_directly_follows_the_plan_in_its_kernels(monkeypatch):
+    """kda::chunk with fp16 runs the Triton kernels on float32 copies (once the reference,
+    silently), announced once; its o is chunk_kda's. bf16 at K = 192 runs them in bf16."""
     from kda_ops.kernels.chunk import launch
 
     launched = []
@@ -521,13 +522,18 @@ def test_the_chunk_op_called_directly_runs_the_kernels_in_float32(monkeypatch):
     monkeypatch.setattr(plan, "_WARNED", set())
     x = delta_rule_inputs(batch=1, length=300, heads=1, value_heads=2, head_k=192,
                           head_v=64, raw_gate=True)  # fmt: skip
-    q, k, v = (t.cuda().bfloat16() for t in (x.q, x.k, x.v))
     g, beta, A_log, dt_bias = (t.cuda() for t in (x.g, x.beta, x.A_log, x.dt_bias))
-    with pytest.warns(UserWarning, match="past 128 key columns"):
-        o, _ = torch.ops.kda.chunk(q, k, v, g, beta, A_log, dt_bias, None, None, 192**-0.5,
-                                   None, True, True)  # fmt: skip
-    assert launched == [torch.float32] and o.dtype == torch.bfloat16
-    expected, _ = kda_ops.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log,
-                                    dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
-                                    use_beta_sigmoid_in_kernel=True)  # fmt: skip
-    assert torch.equal(o, expected)
+    for dtype, computed in ((torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        launched.clear()
+        q, k, v = (t.cuda().to(dtype) for t in (x.q, x.k, x.v))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            o, _ = torch.ops.kda.chunk(q, k, v, g, beta, A_log, dt_bias, None, None,
+                                       192**-0.5, None, True, True)  # fmt: skip
+        said = [str(w.message) for w in caught if "kda_ops" in str(w.message)]
+        assert said == ([f"kda_ops: {plan.FP16_IN_FP32}"] if dtype == torch.float16 else [])
+        assert launched == [computed] and o.dtype == dtype
+        expected, _ = kda_ops.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log,
+                                        dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                                        use_beta_sigmoid_in_kernel=True)  # fmt: skip
+        assert torch.equal(o, expected)
