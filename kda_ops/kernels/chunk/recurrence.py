@@ -145,13 +145,13 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 # Found with ``tools/recurrence_probe.py`` on an H100 (Triton 3.6, bf16;
 # ``benchmarks/results/recurrence_probe_h100.jsonl``, ``recurrence_probe_64_steps_h100.log``):
 # in 64-token steps at 32 value columns the unmasked loop is wrong once a partial step follows
-# it (at 1, 2 and 3 stages; exact at 64 columns), and past 128 key columns the masked loop is
-# wrong or reads out of bounds (at 4 warps and 8; exact at 16 and 64 columns); racecheck saw
-# no shared-memory hazard. At 32 columns, and only there, Triton 3.6 lays the dots' bf16 B
-# operands (the state, v_new) out with a 64-byte swizzle (16: 32 bytes, 64: 128; the masked
-# loop at K = 128 takes it too and is exact): the lead, not a proof. No production launch
-# takes either: 64-token steps take the masked loop, and past 128 key columns in 16 bits
-# never 32 columns (``scan_column_splits``).
+# it, and past 128 key columns the masked loop is wrong or reads out of bounds; racecheck saw
+# no shared-memory hazard. A kernel of this loop with no kda_ops code
+# (``tools/triton_repro_32cols.py``, ``benchmarks/results/triton_repro_32cols_h100.log``) is
+# wrong the same way: at 32 columns with one stage and in the unmasked loop, at 16 columns
+# with 4 warps likewise; 64 columns exact everywhere. A Triton bug, then. No production
+# launch takes those settings: 64-token steps take the masked loop with 2 or 3 stages, and
+# past 128 key columns in 16 bits 16 or 64 columns at 8 warps (``scan_column_splits``).
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
