@@ -190,6 +190,7 @@ def _python_loads_packages(device: str, directory: pathlib.Path) -> bool:
     return result.returncode == 0
 
 
+@pytest.mark.slow  # the packages' compile: about 30 s of CPU
 def test_packages_loaded_here_give_eager_logits(packaged):
     p = packaged
     device = next(p.model.parameters()).device.type
@@ -198,6 +199,7 @@ def test_packages_loaded_here_give_eager_logits(packaged):
     _assert_greedy_equal(export_aoti.package_steps_here(p.paths, p.model, p.prompts, 8), p.expected)
 
 
+@pytest.mark.slow
 def test_cpp_runner_gives_eager_logits_for_prefill_and_decode(packaged, runner):
     """The packages in a process that links libtorch and no Python."""
     _assert_greedy_equal(
