@@ -171,12 +171,13 @@ run_phase() {
     wy_probe)
         # The scalar gate's WY kernel (from .branch: `git archive` of kda_ops, tools and
         # tests of another branch) in its launch variants, a process each.
-        (cd .branch && timeout "${PROBE_S:-$BENCH_S}" python3 tools/wy_probe.py --jobs "${PROBE_JOBS:-6}" \
+        (cd .branch && PYTHONPATH="$PWD:$PYTHONPATH" timeout "${PROBE_S:-$BENCH_S}" \
+            python3 tools/wy_probe.py --jobs "${PROBE_JOBS:-6}" \
             --json "$OUT/wy_probe.jsonl" 2>&1 | tail -n 40)
         ;;
     branch_tests)
         # .branch's Gated DeltaNet GPU tests, in its own tree.
-        (cd .branch && timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -rfEs \
+        (cd .branch && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -rfEs \
             --tb=short tests/kda_ops/test_gpu_gdn.py 2>&1 | tee "$OUT/branch_tests.log" | tail -n 30)
         ;;
     fuzz_wide)
