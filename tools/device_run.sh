@@ -165,7 +165,7 @@ run_phase() {
         ;;
     repro32)
         # A kernel of the recurrence's shape, no kda_ops code: is the 32-column error Triton's?
-        timeout "${REPRO_S:-200}" python3 tools/triton_repro_32cols.py --jobs "${REPRO_JOBS:-8}" 2>&1 \
+        timeout "${REPRO_S:-200}" python3 tools/triton_repro_32cols.py --jobs "${REPRO_JOBS:-8}" ${REPRO_ARGS:-} 2>&1 \
             | tee "$OUT/triton_repro_32cols.log" | tail -n 70
         ;;
     wy_probe)

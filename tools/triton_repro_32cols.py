@@ -9,6 +9,7 @@ expectation. No kda_ops code is involved: a wrong answer here is the compiler's.
 Usage, on a CUDA machine::
 
     python tools/triton_repro_32cols.py                      # the default grid, a line each
+    python tools/triton_repro_32cols.py --steps 16 --keys 128 --stages 3   # inference's steps
     python tools/triton_repro_32cols.py --case '{"K": 192, "BV": 32, "warps": 4}'
 
 Each case prints ``ok`` / ``WRONG`` with the relative errors of o and the final state, or
@@ -120,13 +121,18 @@ def run_case(K: int, V: int = 128, BV: int = 32, length: int = 1000, step: int =
     return dict(errors=errors, ok=all(e < TOLERANCE for e in errors.values()))
 
 
-GRID = [
-    dict(K=K, BV=BV, warps=warps, stages=stages, unmasked=unmasked)
-    for K, BV, warps, stages, unmasked in itertools.product(
-        (128, 192, 256), (16, 32, 64), (4, 8), (1, 2), (False, True)
-    )
-    if not (K > 128 and BV == 64 and stages == 2)  # past shared memory
-]
+def grid(keys=(128, 192, 256), columns=(16, 32, 64), warps=(4, 8), stages=(1, 2, 3),
+         steps=(64,), unmasked=(False, True)) -> list[dict]:  # fmt: skip
+    """The cases of every combination, less those past Hopper's shared memory (wide keys
+    at 64 columns with more than one stage)."""
+    cases = []
+    for K, BV, n_warps, n_stages, step, loose in itertools.product(
+        keys, columns, warps, stages, steps, unmasked
+    ):
+        if K > 128 and n_stages > 1 and (BV == 64 or n_stages > 2):
+            continue
+        cases.append(dict(K=K, BV=BV, warps=n_warps, stages=n_stages, step=step, unmasked=loose))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", help="one case's keyword arguments as JSON, run here")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--jobs", type=int, default=8, help="cases run at once")
+    for name, default in (("keys", [128, 192, 256]), ("columns", [16, 32, 64]),
+                          ("warps", [4, 8]), ("stages", [1, 2, 3]), ("steps", [64])):  # fmt: skip
+        parser.add_argument(f"--{name}", type=int, nargs="+", default=default,
+                            help=f"the grid's {name} (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
+    cases = grid(keys=args.keys, columns=args.columns, warps=args.warps, stages=args.stages,
+                 steps=args.steps)  # fmt: skip
     if args.case:
         case = json.loads(args.case)
         try:
@@ -157,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 
     wrong = 0
     with ThreadPoolExecutor(args.jobs) as pool:
-        for result in pool.map(run_child, GRID):
+        for result in pool.map(run_child, cases):
             wrong += not result["ok"]
             print(("ok    " if result["ok"] else "WRONG ") + json.dumps(result), flush=True)
-    print(f"{wrong} of {len(GRID)} cases wrong")
+    print(f"{wrong} of {len(cases)} cases wrong")
     return 0
 
 
