@@ -16,8 +16,9 @@ The rules, in order (each plan names the ones it applied in ``reasons``):
 bfloat16 is computed in bfloat16 at every key width. Past 128 key columns the chunk
 recurrence once returned wrong states in the training forward's 64-token steps at 32 value
 columns; a kernel of that loop with no kda_ops code is wrong the same way on an H100 with
-Triton 3.6 (``tools/triton_repro_32cols.py``, ``benchmarks/results/triton_repro_32cols_h100.log``),
-and the 16-bit scans past 128 key columns never take 32 columns
+Triton 3.6 (``tools/triton_repro_32cols.py``,
+``benchmarks/results/triton_repro_32cols_h100.log``), and the 16-bit scans past 128 key
+columns never take 32 columns
 (``kernels.chunk.planning.scan_column_splits``). So planned, the head-dim matrix's bf16
 cells at K = 192 and 256 pass forward and backward
 (``benchmarks/results/head_dim_matrix_wide_bf16_h100.jsonl``), and the forward takes a

@@ -222,20 +222,19 @@ def selected(case: dict, selections: list[str]) -> bool:
     return True
 
 
-def run_in_process(seed: int, index: int, timeout: float, extra: list[str]) -> dict:
-    """One case in a child process (``extra``: more arguments for it): its JSON line, or
-    how the child died."""
+def run_in_process(seed: int, index: int, timeout: float) -> dict:
+    """One case in a child process: its JSON line, or how the child died."""
     case = draw(seed, index)
     try:
         done = subprocess.run([sys.executable, __file__, "--seed", str(seed), "--index",
-                               str(index), "--json", *extra], cwd=REPO, capture_output=True,
+                               str(index), "--json"], cwd=REPO, capture_output=True,
                               text=True, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return dict(case, status="timeout", command=" ".join([command(case), *extra]))
+        return dict(case, status="timeout", command=command(case))
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return dict(case, status="fault", returncode=done.returncode, stderr=done.stderr[-2000:],
-                    command=" ".join([command(case), *extra]))  # fmt: skip
+                    command=command(case))  # fmt: skip
     return json.loads(lines[-1])
 
 
@@ -252,7 +251,6 @@ def main() -> None:
                         help="run only the drawn cases with these values (repeatable)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    extra: list[str] = []  # arguments the per-case processes take beside the case
     if args.index is not None:
         import torch
 
@@ -263,7 +261,7 @@ def main() -> None:
         except Exception as error:  # a supported call must not raise: reported, not hidden
             result = dict(case, status="error", error=repr(error)[:2000], device=device,
                           **failure_site(error))  # fmt: skip
-        result["command"] = " ".join([command(case), *extra])
+        result["command"] = command(case)
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return
     indices = [i for i in range(args.first, args.first + args.cases)
@@ -272,7 +270,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 (lines as they come)
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = pool.map(lambda i: run_in_process(args.seed, i, args.timeout, extra), indices)
+        runs = pool.map(lambda i: run_in_process(args.seed, i, args.timeout), indices)
         for result in runs:
             counts[result["status"]] = counts.get(result["status"], 0) + 1
             if out is not None:

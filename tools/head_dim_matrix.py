@@ -41,13 +41,7 @@ def tolerance(dtype: str, name: str) -> float:
 
 
 def run_cell(
-    K: int,
-    V: int,
-    dtype_name: str,
-    varlen: bool,
-    gate: str,
-    modes: list[str],
-    device: str,
+    K: int, V: int, dtype_name: str, varlen: bool, gate: str, modes: list[str], device: str
 ) -> None:
     """One cell in this process; prints a JSON line when each case starts and ends (with
     the compute dtype the plan gave the call)."""
@@ -96,10 +90,11 @@ def run_cell(
             results += [x.grad for x in args.values()]
         return results
 
+    probe = torch.empty(1, 1, 1, K, device=device, dtype=getattr(torch, dtype_name))
+    compute_dtype = str(kda_ops.explain(probe).compute_dtype).removeprefix("torch.")
     for mode in modes:
-        case = dict(K=K, V=V, dtype=dtype_name, varlen=varlen, gate=gate, mode=mode)
-        probe = torch.empty(1, 1, 1, K, device=device, dtype=getattr(torch, dtype_name))
-        case["compute_dtype"] = str(kda_ops.explain(probe).compute_dtype).removeprefix("torch.")
+        case = dict(K=K, V=V, dtype=dtype_name, varlen=varlen, gate=gate, mode=mode,
+                    compute_dtype=compute_dtype)  # fmt: skip
         print(json.dumps({"start": case}), flush=True)
         start = time.monotonic()
         try:
@@ -170,10 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.cell:
         K, V, dtype, varlen, gate = args.cell
-        run_cell(
-            K=int(K), V=int(V), dtype_name=dtype, varlen=varlen == "1", gate=gate,
-            modes=args.modes, device=args.device,
-        )  # fmt: skip
+        run_cell(int(K), int(V), dtype, varlen == "1", gate, args.modes, args.device)
         return 0
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     failed = 0
