@@ -191,15 +191,25 @@ def _bounded_decayed(
     gamma = op.Exp(cum)
     q_decayed, k_decayed = q * gamma, k * gamma
     k_grown = k / gamma
-    # One product for both, q's and k's rows stacked, (K / Γ)ᵀ through a Transpose that
-    # onnxruntime folds into it (transB).
-    rows = op.Concat(q_decayed, k_decayed, axis=2)  # [N, n, 2 C, K]
-    both = op.MatMul(rows, op.Transpose(k_grown, perm=[0, 1, 3, 2]))
     causal = np.tril(np.ones((chunk, chunk), dtype=np.float32))
-    masks = np.stack([causal, np.tril(causal, -1)])[None, None]  # [1, 1, 2, C, C]
-    both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, chunk, chunk])) * _const(masks)
-    aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
+    masks = np.stack([causal, np.tril(causal, -1)])  # [2, C, C]
+    aqk, akk = _query_key_products(q_decayed, k_decayed, k_grown, _const(masks), chunk)
     return aqk, akk, k_grown, q_decayed, k_decayed
+
+
+def _query_key_products(
+    q_rows: Value, k_rows: Value, columns: Value, weights: Value, chunk: int
+) -> tuple[Value, Value]:
+    """``(Aqk, Akk)`` ``[N, n, C, C]``: ``q_rows columnsᵀ`` and ``k_rows columnsᵀ`` (rows
+    and columns ``[N, n, C, K]``) times ``weights`` ``[.., 2, C, C]`` (Aqk's, then Akk's),
+    in one product with q's and k's rows stacked (onnxruntime's batched MatMul costs about
+    as much per matrix as per multiply-add at these sizes), the columns through a Transpose
+    that onnxruntime folds into it (transB)."""
+    rows = op.Concat(q_rows, k_rows, axis=2)  # [N, n, 2 C, K]
+    both = op.MatMul(rows, op.Transpose(columns, perm=[0, 1, 3, 2]))
+    both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, chunk, chunk])) * weights
+    aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
+    return aqk, akk
 
 
 def _recorder() -> object:
@@ -368,13 +378,7 @@ def _within_chunks(
             causal = np.tril(np.ones((chunk, chunk), dtype=bool))
             none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
             decays = op.Exp(pair + _const(none.astype(np.float32)))
-            # One product for both, q's and k's rows stacked (onnxruntime's batched MatMul
-            # costs about as much per matrix as per multiply-add at these sizes), kᵀ
-            # through a Transpose that onnxruntime folds into it.
-            rows = op.Concat(q, k, axis=2)  # [N, n, 2 C, K]
-            both = op.MatMul(rows, op.Transpose(k, perm=[0, 1, 3, 2]))
-            both = op.Reshape(both, op.Constant(value_ints=[0, 0, 2, chunk, chunk])) * decays
-            aqk, akk = (op.Squeeze(x, [2]) for x in op.Split(both, num_outputs=2, axis=2))
+            aqk, akk = _query_key_products(q, k, k, decays, chunk)
         else:
             aqk, akk = _pairwise_decayed(q, k, cum, head_k, chunk)
             akk = akk * _const(np.tril(np.ones((chunk, chunk), dtype=np.float32), -1))
