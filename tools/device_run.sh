@@ -33,6 +33,10 @@
 # safetensors 0.8.0, numpy, regex, pyyaml, packaging, filelock, tqdm, typer (accelerate
 # 1.15.0 is version-checked at import too). The models are built from configs: no
 # tokenizer, no hub access.
+# PTXAS: a ptxas for Triton to assemble with (TRITON_PTXAS_PATH), in a Triton cache of its own;
+# a .xz file is unpacked first (.ptxas/ptxas-13.4.xz: CUDA 13.4's, 12 MB packed). Triton
+# 3.6 bundles ptxas 12.8.93, whose Hopper miscompiles FLA reports (triton-lang/triton#11366,
+# fla-org/flash-linear-attention#1262); the machine's own is CUDA 13.0's.
 # Limits: TESTS_S, BENCH_S (seconds a phase; a killed phase keeps what it wrote), and
 # VARIANTS_S (each of the variants phase's two runs), GDN_S; GDN_ROWS, BASELINE_ROWS:
 # ops.py's GDN rows of the gdn and baseline phases.
@@ -57,6 +61,13 @@ if [ -d .peers/FlashKDA ]; then
     export PYTHONPATH="$PYTHONPATH:$PWD/.peers/FlashKDA"
 fi
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
+if [ -n "${PTXAS:-}" ]; then
+    case "$PTXAS" in
+    *.xz) xz -dc "$PTXAS" >/tmp/ptxas-carried && chmod +x /tmp/ptxas-carried && PTXAS=/tmp/ptxas-carried ;;
+    esac
+    export TRITON_PTXAS_PATH="$(realpath "$PTXAS")" TRITON_CACHE_DIR=/tmp/triton-cache-ptxas
+    "$TRITON_PTXAS_PATH" --version | tail -n 1 | tee "$OUT/ptxas.txt"
+fi
 
 TESTS_S=${TESTS_S:-300}
 BENCH_S=${BENCH_S:-300}

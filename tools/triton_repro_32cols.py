@@ -14,6 +14,11 @@ Usage, on a CUDA machine::
 
 Each case prints ``ok`` / ``WRONG`` with the relative errors of o and the final state, or
 the exception (an illegal address kills the process: the grid runs each case in a child).
+The first line names the ptxas that assembled the kernels: Triton 3.6 bundles ptxas 12.8.93,
+which FLA found miscompiling Hopper kernels of this family (wrong values, invalid
+shared-memory accesses, on byte-identical PTX that ptxas 13.1 assembles correctly:
+fla-org/flash-linear-attention#1262; triton-lang/triton#11366); ``TRITON_PTXAS_PATH``
+picks another (``tools/device_run.sh``'s ``PTXAS``).
 """
 
 from __future__ import annotations
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             return json.loads(lines[-1])
         return dict(case, ok=False, exit=done.returncode, stderr=done.stderr[-300:])
 
+    ptxas = triton.knobs.nvidia.ptxas  # TRITON_PTXAS_PATH's, else the one Triton bundles
+    print(f"triton {triton.__version__}, ptxas {ptxas.version} ({ptxas.path})", flush=True)
     wrong = 0
     with ThreadPoolExecutor(args.jobs) as pool:
         for result in pool.map(run_child, cases):

@@ -152,6 +152,11 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 # with 4 warps likewise; 64 columns exact everywhere. A Triton bug, then. No production
 # launch takes those settings: 64-token steps take the masked loop with 2 or 3 stages, and
 # past 128 key columns in 16 bits 16 or 64 columns at 8 warps (``scan_column_splits``).
+# The same family (several dots, 16- or 32-wide tiles, 4 warps, Hopper, Triton >= 3.6) is
+# triton-lang/triton#11366, which FLA guards against as a ptxas miscompile; FLA found ptxas
+# 12.8.93, the one Triton 3.6 bundles, generating wrong shared-memory addresses where 13.1
+# assembles the same PTX correctly (fla-org/flash-linear-attention#1262). Whether a newer
+# ptxas makes these settings exact here is for the GPU (``tools/device_run.sh``'s PTXAS).
 
 
 def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
