@@ -11,10 +11,11 @@ machine's copy of the working tree has no ``.git``, so take other trees there as
 directories, e.g. made by ``git archive REF kda_ops | tar -x -C DIR``) or a git ref of this
 repository (its ``kda_ops`` taken with ``git archive``), optionally with module constants
 of ``kda_ops.kernels`` set: ``TREE[:MODULE.NAME=VALUE,...]``, e.g.
-``main:chunk.backward.state.STATE_WARPS=4``.
+``main:chunk.backward.state.STATE_WARPS=4``. ``--gdn``: Gated DeltaNet (Qwen3-Next's
+layer core: ``--heads`` value heads, half as many q / k heads, a scalar gate).
 
 Usage (GPU): ``python benchmarks/ab.py main my-branch my-branch:chunk.backward.state.STATE_WARPS=4
-[--rounds 2] [--heads 64] [--length 8192] [--softplus] [--disable-recompute] [--varlen]
+[--rounds 2] [--heads 64] [--length 8192] [--softplus | --gdn] [--disable-recompute] [--varlen]
 [--forward] [--shared-machine | --no-shared-machine] [--out benchmarks/results/ab.json]``.
 Without a GPU it runs kda_ops' CPU path, the PyTorch reference (small
 shapes: ``--length 128 --heads 2 --dim 16``), which checks the plumbing, not the kernels.
@@ -92,9 +93,12 @@ def worker(args: argparse.Namespace) -> None:
     x = {name: rand(1, t, h, d).to(dtype) for name in ("q", "k", "v", "g")}
     x["beta"] = rand(1, t, h).to(dtype)
     x["A_log"], x["dt_bias"] = rand(h), rand(h * d, scale=0.5)
+    if args.gdn:  # Qwen3-Next's layer core: half as many q / k heads, one decay a head
+        x["q"], x["k"] = (rand(1, t, h // 2, d).to(dtype) for _ in range(2))
+        x["g"], x["dt_bias"] = rand(1, t, h).to(dtype), rand(h, scale=0.5)
     options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                    use_beta_sigmoid_in_kernel=True, disable_recompute=args.disable_recompute,
-                   lower_bound=None if args.softplus else -5.0)  # fmt: skip
+                   lower_bound=None if args.softplus or args.gdn else -5.0)  # fmt: skip
     if args.varlen:
         options["cu_seqlens"] = varlen_cu_seqlens(t)
     leaves = [x[name].requires_grad_() for name in GRADIENTS]
@@ -128,6 +132,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--softplus", action="store_true", help="Kimi Linear's unbounded gate")
+    parser.add_argument("--gdn", action="store_true", help="Gated DeltaNet (module docstring)")
     parser.add_argument("--disable-recompute", action="store_true")
     parser.add_argument("--forward", action="store_true", help="the inference forward alone")
     parser.add_argument("--varlen", action="store_true",
@@ -145,6 +150,7 @@ def main() -> None:
         parser.error("name at least one tree")
     shape = ["--heads", str(args.heads), "--length", str(args.length), "--dim", str(args.dim)]
     shape += ["--softplus"] * args.softplus + ["--disable-recompute"] * args.disable_recompute
+    shape += ["--gdn"] * args.gdn
     shape += ["--forward"] * args.forward + ["--varlen"] * args.varlen
     names = ("o", "final_state") if args.forward else GRADIENTS
     with tempfile.TemporaryDirectory() as scratch:
@@ -170,7 +176,7 @@ def main() -> None:
         results = Results.from_args("ab", args)
         step = "forward" if args.forward else "forward + backward"
         case = f"chunk_kda {step} B=1 T={args.length} H={args.heads} D={args.dim}" + (
-            ", softplus gate" if args.softplus else "") + (
+            ", Gated DeltaNet" if args.gdn else ", softplus gate" if args.softplus else "") + (
             ", varlen" if args.varlen else "") + (
             ", disable_recompute" if args.disable_recompute else "")  # fmt: skip
         print(f"\n| tree | µs a step, by round | vs first | {compared} vs first (rel.) |")

@@ -20,8 +20,11 @@
 # (a `git archive` of another branch's kda_ops) its fuzz case 3 too; `wait` waits for
 # them; SANITIZE_JOBS names a subset), tests_files (each GPU test file alone, TEST_FILES),
 # matrix_wide (the head-dim matrix's bf16 cells past 128 key columns), wide_keys (their
-# time against fp32 copies), wy_probe / branch_tests / branch_gdn (.branch's scalar-gate WY
-# kernel in launch variants, its GDN GPU tests, its GDN rows), repro32
+# time against fp32 copies), wy_probe / branch_tests / branch_gdn (the kda_ops of BRANCH,
+# default .branch, a `git archive` of another branch: its scalar-gate WY kernel in launch
+# variants, its GPU tests BRANCH_TESTS, its GDN rows BRANCH_ROWS), branch_variants (its
+# GDN long case by forced chunk and segments), ab (benchmarks/ab.py: AB_TREES with AB_ARGS,
+# AB_NAME names its JSON), repro32
 # (tools/triton_repro_32cols.py), fuzz_wide (the bf16 cases past 128 key columns; FUZZ_ARGS:
 # more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times).
 # Wheels in .whl/ are installed first (into /tmp/site, ahead of the image's packages), and
@@ -70,6 +73,7 @@ if [ -n "${PTXAS:-}" ]; then
 fi
 
 TESTS_S=${TESTS_S:-300}
+BRANCH=${BRANCH:-.branch}
 BENCH_S=${BENCH_S:-300}
 FORWARD_TESTS=(
     tests/kda_ops/test_gpu_gdn.py
@@ -116,6 +120,19 @@ run_phase() {
             --no-shared-machine --kinds kda --lengths 131072 --heads 16 --out "$OUT/long_sequence_variants_kda.json" \
             2>&1 | tail -n 30
         ;;
+    ab)
+        # benchmarks/ab.py over AB_TREES (directories holding a kda_ops: "." this checkout, or
+        # a .branch-* archive) with AB_ARGS (e.g. --gdn --forward --length 32768 --heads 32).
+        timeout "${AB_S:-$BENCH_S}" python3 benchmarks/ab.py ${AB_TREES:-.} ${AB_ARGS:-} \
+            --no-shared-machine --out "$OUT/ab_${AB_NAME:-run}.json" 2>&1 | tail -n 20
+        ;;
+    branch_variants)
+        # The GDN long case's forced chunk / segment variants from BRANCH's kda_ops.
+        PYTHONPATH="$PWD/$BRANCH:$PYTHONPATH" timeout "${VARIANTS_S:-$BENCH_S}" \
+            python3 benchmarks/long_sequence.py --variants --no-shared-machine --kinds gdn \
+            --lengths 32768 --heads 32 --out "$OUT/long_sequence_variants_gdn_${BRANCH#.}.json" \
+            2>&1 | tail -n 30
+        ;;
     sweep)
         timeout "$BENCH_S" python3 benchmarks/long_sequence.py --no-shared-machine --fla \
             --budget-s $((BENCH_S - 60)) --plot "$OUT/long_sequence.png" \
@@ -147,10 +164,10 @@ run_phase() {
             --out "$OUT/ops_gdn_baseline.json" 2>&1 | tail -n 30
         ;;
     branch_gdn)
-        # The GDN rows from .branch's kda_ops (BRANCH_ROWS), in a process of their own.
-        PYTHONPATH="$PWD/.branch:$PYTHONPATH" timeout "${GDN_S:-$BENCH_S}" python3 benchmarks/ops.py \
+        # The GDN rows from BRANCH's kda_ops (BRANCH_ROWS), in a process of their own.
+        PYTHONPATH="$PWD/$BRANCH:$PYTHONPATH" timeout "${GDN_S:-$BENCH_S}" python3 benchmarks/ops.py \
             --no-shared-machine --rounds 3 --only ${BRANCH_ROWS:-gdn_training} \
-            --out "$OUT/ops_gdn_branch.json" 2>&1 | tail -n 30
+            --out "$OUT/ops_gdn_${BRANCH#.}.json" 2>&1 | tail -n 30
         ;;
     kda)
         timeout "$BENCH_S" python3 benchmarks/ops.py --no-shared-machine --rounds 3 \
@@ -182,14 +199,15 @@ run_phase() {
     wy_probe)
         # The scalar gate's WY kernel (from .branch: `git archive` of kda_ops, tools and
         # tests of another branch) in its launch variants, a process each.
-        (cd .branch && PYTHONPATH="$PWD:$PYTHONPATH" timeout "${PROBE_S:-$BENCH_S}" \
+        (cd "$BRANCH" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "${PROBE_S:-$BENCH_S}" \
             python3 tools/wy_probe.py --jobs "${PROBE_JOBS:-6}" \
             --json "$OUT/wy_probe.jsonl" 2>&1 | tail -n 40)
         ;;
     branch_tests)
-        # .branch's Gated DeltaNet GPU tests, in its own tree.
-        (cd .branch && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -rfEs \
-            --tb=short tests/kda_ops/test_gpu_gdn.py 2>&1 | tee "$OUT/branch_tests.log" | tail -n 30)
+        # BRANCH's GPU tests (BRANCH_TESTS, default the Gated DeltaNet ones), in its own tree.
+        (cd "$BRANCH" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -rfEs \
+            --tb=short ${BRANCH_TESTS:-tests/kda_ops/test_gpu_gdn.py} 2>&1 \
+            | tee "$OUT/tests_${BRANCH#.}.log" | tail -n 30)
         ;;
     fuzz_wide)
         # bf16 past 128 key columns through the chunk kernels, every entry point.
@@ -226,8 +244,8 @@ run_phase() {
             '{"K": 128, "V": 128, "T": 100, "chunk": 64, "UNMASKED_FULL_STEPS": true}' &
         [[ $jobs == *" fuzz3 "* ]] && sanitized fuzz3_memcheck memcheck \
             python3 tools/fuzz.py --seed 0 --index 3 &
-        if [[ -d .branch && $jobs == *" branch "* ]]; then
-            PYTHONPATH="$PWD/.branch:$PYTHONPATH" sanitized branch_fuzz3_memcheck memcheck \
+        if [[ -d $BRANCH && $jobs == *" branch "* ]]; then
+            PYTHONPATH="$PWD/$BRANCH:$PYTHONPATH" sanitized branch_fuzz3_memcheck memcheck \
                 python3 tools/fuzz.py --seed 0 --index 3 &
         fi
         for index in ${FUZZ_INDICES:-}; do
