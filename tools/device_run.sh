@@ -24,7 +24,7 @@
 # default .branch, a `git archive` of another branch: its scalar-gate WY kernel in launch
 # variants, its GPU tests BRANCH_TESTS, its GDN rows BRANCH_ROWS), branch_variants (its
 # GDN long case by forced chunk and segments), ab (benchmarks/ab.py: AB_TREES with AB_ARGS,
-# AB_NAME names its JSON), repro32
+# AB_NAME names its JSON), forms (tools/recurrence_forms.py, FORMS_ARGS), repro32
 # (tools/triton_repro_32cols.py), fuzz_wide (the bf16 cases past 128 key columns; FUZZ_ARGS:
 # more arguments for the fuzz phase), gdn_split (the GDN training step's kernel times).
 # Wheels in .whl/ are installed first (into /tmp/site, ahead of the image's packages), and
@@ -125,6 +125,11 @@ run_phase() {
         # a .branch-* archive) with AB_ARGS (e.g. --gdn --forward --length 32768 --heads 32).
         timeout "${AB_S:-$BENCH_S}" python3 benchmarks/ab.py ${AB_TREES:-.} ${AB_ARGS:-} \
             --no-shared-machine --out "$OUT/ab_${AB_NAME:-run}.json" 2>&1 | tail -n 20
+        ;;
+    forms)
+        # tools/recurrence_forms.py: a recurrence step's time, production and transposed state.
+        timeout "${FORMS_S:-200}" python3 tools/recurrence_forms.py ${FORMS_ARGS:-} \
+            --json "$OUT/recurrence_forms.jsonl" 2>&1 | tail -n 30
         ;;
     branch_variants)
         # The GDN long case's forced chunk / segment variants from BRANCH's kda_ops.
