@@ -66,7 +66,9 @@ fi
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
 if [ -n "${PTXAS:-}" ]; then
     case "$PTXAS" in
-    *.xz) xz -dc "$PTXAS" >/tmp/ptxas-carried && chmod +x /tmp/ptxas-carried && PTXAS=/tmp/ptxas-carried ;;
+    *.xz)  # unpacked by Python's lzma: the image may have no xz
+        python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' \
+            "$PTXAS" >/tmp/ptxas-carried && chmod +x /tmp/ptxas-carried && PTXAS=/tmp/ptxas-carried ;;
     esac
     export TRITON_PTXAS_PATH="$(realpath "$PTXAS")" TRITON_CACHE_DIR=/tmp/triton-cache-ptxas
     "$TRITON_PTXAS_PATH" --version | tail -n 1 | tee "$OUT/ptxas.txt"
