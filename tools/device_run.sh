@@ -48,10 +48,12 @@ OUT=${OUT:-/tmp/kda-ops-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLA_DISABLE_BACKEND_DISPATCH=1 FLA_FLASH_KDA=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ]; then
+# Installed once a machine: invocations run side by side share /tmp/site.
+if [ -d .whl ] && [ ! -f /tmp/site/.wheels-installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.wheels-installed
 fi
+[ -d .whl ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 # The checkout runs from PYTHONPATH, not installed: its entry points (pyproject.toml's
 # torch_dynamo_backends, which backend="kda" is looked up by) go in as a dist-info.
 mkdir -p /tmp/site/kda_ops_checkout-0.dist-info
@@ -68,7 +70,7 @@ if [ -n "${PTXAS:-}" ]; then
     case "$PTXAS" in
     *.xz)  # unpacked by Python's lzma: the image may have no xz
         python3 -c 'import lzma, sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' \
-            "$PTXAS" >/tmp/ptxas-carried && chmod +x /tmp/ptxas-carried && PTXAS=/tmp/ptxas-carried ;;
+            "$PTXAS" >/tmp/ptxas-carried-$$ && chmod +x /tmp/ptxas-carried-$$ && PTXAS=/tmp/ptxas-carried-$$ ;;
     esac
     export TRITON_PTXAS_PATH="$(realpath "$PTXAS")" TRITON_CACHE_DIR=/tmp/triton-cache-ptxas
     "$TRITON_PTXAS_PATH" --version | tail -n 1 | tee "$OUT/ptxas.txt"
