@@ -13,8 +13,7 @@ in the loop). Transposed, ``v_newᵀ = uᵀ - Sᵀ wᵀ``, ``oᵀ = Sᵀ qgᵀ +
 Triton converts from an accumulator in registers (at 64 value columns and 4 warps; the
 narrower launches go through shared memory in another way), and the loaded tiles as the
 right operands straight from shared memory. Whether that is faster per step is what this
-tool measures; the static counts are no answer (at 64 columns the transposed loop has 469
-instructions a warp where the production one has 351).
+tool measures (``benchmarks/results/recurrence_forms_h100.log``: it is not).
 
 Both forms run on the same random intermediates (w, u, qg, kd, Aqk, chunk log-decay of
 one prepare's layout; fixed length, 16-token steps, no initial state) and must agree: the

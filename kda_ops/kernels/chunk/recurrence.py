@@ -155,9 +155,8 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 # The same family (several dots, 16- or 32-wide tiles, 4 warps, Hopper, Triton >= 3.6) is
 # triton-lang/triton#11366, which FLA guards against as a ptxas miscompile; FLA found ptxas
 # 12.8.93, the one Triton 3.6 bundles, generating wrong shared-memory addresses where 13.1
-# assembles the same PTX correctly (fla-org/flash-linear-attention#1262). So it is here: on
-# an H100, with CUDA 13.4's ptxas the repro is exact in every setting that fits shared memory,
-# where the bundled 12.8.93 gave 12 wrong or faulting cases of 40
+# assembles the same PTX correctly (fla-org/flash-linear-attention#1262). So it is here: with
+# CUDA 13.4's ptxas the repro is exact wherever it fits shared memory, with the bundled one not
 # (``benchmarks/results/triton_repro_32cols_ptxas_h100.log``).
 
 
