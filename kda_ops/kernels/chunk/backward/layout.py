@@ -39,7 +39,12 @@ def plan_layout(
     return Layout(
         n_seqs=n_seqs,
         chunk_offsets=offsets,
-        n_chunks=chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, CHUNK),
+        n_chunks=chunk_state_rows(
+            batch=batch,
+            length=length,
+            n_seqs=None if cu_seqlens is None else n_seqs,
+            chunk_size=CHUNK,
+        ),
         block_k=block_k,
         block_v=dot_block(v.shape[3]),
         flags=prepare_flags(inputs, cu_seqlens, options),

@@ -110,9 +110,26 @@ def _dense_diagonal_grads(d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up, PRECISION:
 
 
 @triton.jit
-def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i_h, i_hv,
-                     offs_k, cum_last, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr):  # fmt: skip
+def _load_pair_block(
+    q,
+    k,
+    beta,
+    cum_g,
+    q_norm,
+    k_norm,
+    start,
+    remaining,
+    i_b,
+    i_h,
+    i_hv,
+    offs_k,
+    cum_last,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+):
     """Row block i_b of the chunk on the key columns ``offs_k``: q̂, k̂, G ``[BLOCK, BK]``
     fp32 and β ``[BLOCK]``. The rows are normalised by their full-row norms, which
     ``chunk_bwd_prepare_kernel`` stored (``[B, T, HV]`` fp32): a program sees only its
@@ -120,10 +137,50 @@ def _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start, remaining, i_b, i
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
     rows_in = i_b * BLOCK + sub < remaining
-    r_q = load_normed_rows(q, q_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k, USE_L2NORM)
-    r_k = load_normed_rows(k, k_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k, USE_L2NORM)
-    r_beta = load_beta_rows(beta, tokens, rows_in, i_hv, HV, USE_BETA_SIGMOID)
-    r_cum = load_cum_rows(cum_g, tokens, rows_in, i_hv, HV, K, offs_k, cum_last)
+    r_q = load_normed_rows(
+        x=q,
+        norm=q_norm,
+        tokens=tokens,
+        rows_in=rows_in,
+        i_h=i_h,
+        i_hv=i_hv,
+        H=H,
+        HV=HV,
+        K=K,
+        offs_k=offs_k,
+        USE_L2NORM=USE_L2NORM,
+    )
+    r_k = load_normed_rows(
+        x=k,
+        norm=k_norm,
+        tokens=tokens,
+        rows_in=rows_in,
+        i_h=i_h,
+        i_hv=i_hv,
+        H=H,
+        HV=HV,
+        K=K,
+        offs_k=offs_k,
+        USE_L2NORM=USE_L2NORM,
+    )
+    r_beta = load_beta_rows(
+        beta=beta,
+        tokens=tokens,
+        rows_in=rows_in,
+        i_hv=i_hv,
+        HV=HV,
+        USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+    )
+    r_cum = load_cum_rows(
+        cum_g=cum_g,
+        tokens=tokens,
+        rows_in=rows_in,
+        i_hv=i_hv,
+        HV=HV,
+        K=K,
+        offs_k=offs_k,
+        cum_last=cum_last,
+    )
     return r_q, r_k, r_beta, r_cum
 
 
@@ -175,16 +232,43 @@ def _open_rows(r_q, r_k, r_cum, dot_dtype: tl.constexpr):
 @triton.jit
 def _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask):
     """A row block's dq̂, dk̂, dG so far (fp32 tiles at ``offsets``)."""
-    return (tl.load(dq_rows + offsets, mask=mask, other=0.0),
-            tl.load(dk_rows + offsets, mask=mask, other=0.0),
-            tl.load(d_cum_rows + offsets, mask=mask, other=0.0))  # fmt: skip
+    return (
+        tl.load(dq_rows + offsets, mask=mask, other=0.0),
+        tl.load(dk_rows + offsets, mask=mask, other=0.0),
+        tl.load(d_cum_rows + offsets, mask=mask, other=0.0),
+    )
 
 
 @triton.jit
-def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
-                 remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
-                 rows_a, rows_q, col, HV: tl.constexpr, K: tl.constexpr, N_K: tl.constexpr,
-                 DENSE: tl.constexpr, DIAGONAL_PRECISION: tl.constexpr):  # fmt: skip
+def _finish_rows(
+    d_aqk_tiles,
+    d_a_tiles,
+    d_cum_rows,
+    dq_rows,
+    dk_rows,
+    dbeta_part,
+    start,
+    remaining,
+    chunk_id,
+    i_b,
+    i_hv,
+    i_k,
+    offs_k,
+    r_q,
+    r_k,
+    r_beta,
+    r_cum,
+    ref,
+    up,
+    rows_a,
+    rows_q,
+    col,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    N_K: tl.constexpr,
+    DENSE: tl.constexpr,
+    DIAGONAL_PRECISION: tl.constexpr,
+):
     """Completes row block i_b once its pairs with every other block are in: ``rows_a``,
     ``rows_q`` its rows against earlier columns (``_earlier_columns``), ``col`` its columns
     against later rows (``_later_rows``). Adds the diagonal block (``DENSE``: fp32 dots at
@@ -202,15 +286,33 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
     # round trip at the program's end), and before the diagonal block, so that the loads
     # overlap its dots; the dense launches still fit their registers, the dyadic one
     # spills a little more for it.
-    old_q, old_k, old_cum = _load_row_grads(dq_rows, dk_rows, d_cum_rows, offsets, mask)
-    d_a, m_q = _pair_tiles(d_aqk_tiles, d_a_tiles, chunk_id, i_b, i_b)
+    old_q, old_k, old_cum = _load_row_grads(
+        dq_rows=dq_rows, dk_rows=dk_rows, d_cum_rows=d_cum_rows, offsets=offsets, mask=mask
+    )
+    d_a, m_q = _pair_tiles(
+        d_aqk_tiles=d_aqk_tiles, d_a_tiles=d_a_tiles, chunk_id=chunk_id, i_b=i_b, j_b=i_b
+    )
     if DENSE:
         diag_k, diag_q, diag_col, d_beta = _dense_diagonal_grads(
-            d_a, r_beta, m_q, r_q, r_k, r_cum, ref, up, DIAGONAL_PRECISION
+            d_a=d_a,
+            r_beta=r_beta,
+            m_q=m_q,
+            r_q=r_q,
+            r_k=r_k,
+            r_cum=r_cum,
+            ref=ref,
+            up=up,
+            PRECISION=DIAGONAL_PRECISION,
         )
     else:
         diag_k, diag_q, diag_col, d_beta = _dyadic_diagonal_grads(
-            d_a, r_beta, m_q, r_q, r_k, r_cum, DIAGONAL_PRECISION
+            d_a=d_a,
+            r_beta=r_beta,
+            m_q=m_q,
+            r_q=r_q,
+            r_k=r_k,
+            r_cum=r_cum,
+            PRECISION=DIAGONAL_PRECISION,
         )
     row_k = r_beta[:, None] * up * rows_a + diag_k
     row_q = up * rows_q + diag_q
@@ -225,14 +327,40 @@ def _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_par
 
 @triton.jit
 def chunk_bwd_pairs_kernel(
-    q, k, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, d_aqk_tiles,
-    d_a_tiles, d_aqk_low, d_a_low, unbounded, length, n_seqs,
-    dq_rows, dk_rows, d_cum_rows, dbeta_part,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAFE_GATE: tl.constexpr,
-    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DIAGONAL_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    beta,
+    cu_seqlens,
+    chunk_offsets,
+    cum_g,
+    q_norm,
+    k_norm,
+    d_aqk_tiles,
+    d_a_tiles,
+    d_aqk_low,
+    d_a_low,
+    unbounded,
+    length,
+    n_seqs,
+    dq_rows,
+    dk_rows,
+    d_cum_rows,
+    dbeta_part,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DIAGONAL_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
     """For 16-row block i_b of chunk i_c, value head i_hv and the BK key columns of block
     i_k (every pair term is a per-column product but for dβ's sum over columns, whose
     shares the launcher adds): the pair terms of A (cotangent dA) and Aqk (scale·dAqk) of
@@ -255,8 +383,15 @@ def chunk_bwd_pairs_kernel(
     i_b, i_k, i_c = pid % 4, (pid // 4) % N_K, pid // (4 * N_K)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                    IS_VARLEN)  # fmt: skip
+    start, remaining = locate_chunk(
+        i_c=i_c,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        n_seqs=n_seqs,
+        length=length,
+        BN=BN,
+        IS_VARLEN=IS_VARLEN,
+    )
     if remaining <= i_b * BLOCK:  # no rows of this block in the sequence
         return
     chunk_id = (i_c * HV + i_hv).to(tl.int64)
@@ -267,38 +402,137 @@ def chunk_bwd_pairs_kernel(
     offs_k = i_k * BK + tl.arange(0, BK)
     dot_dtype = q.dtype.element_ty
     last = tl.minimum(remaining, CHUNK) - 1
-    cum_last = tl.load(cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=offs_k < K,
-                       other=0.0)  # fmt: skip
+    cum_last = tl.load(
+        cum_g + ((start + last) * HV + i_hv) * K + offs_k, mask=offs_k < K, other=0.0
+    )
     n_blocks = tl.minimum(tl.cdiv(remaining, BLOCK), CHUNK // BLOCK)
 
-    r_q, r_k, r_beta, r_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
-                                               remaining, i_b, i_h, i_hv, offs_k, cum_last, H,
-                                               HV, K, USE_L2NORM, USE_BETA_SIGMOID)  # fmt: skip
+    r_q, r_k, r_beta, r_cum = _load_pair_block(
+        q=q,
+        k=k,
+        beta=beta,
+        cum_g=cum_g,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        start=start,
+        remaining=remaining,
+        i_b=i_b,
+        i_h=i_h,
+        i_hv=i_hv,
+        offs_k=offs_k,
+        cum_last=cum_last,
+        H=H,
+        HV=HV,
+        K=K,
+        USE_L2NORM=USE_L2NORM,
+        USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+    )
     # Triton carries a name assigned before a loop and again inside it: no shared `_`.
-    ref, up, _row_k_in, _row_q_in = _open_rows(r_q, r_k, r_cum, dot_dtype)
+    ref, up, _row_k_in, _row_q_in = _open_rows(r_q=r_q, r_k=r_k, r_cum=r_cum, dot_dtype=dot_dtype)
     rows_a = tl.zeros([BLOCK, BK], dtype=tl.float32)
     rows_q = tl.zeros([BLOCK, BK], dtype=tl.float32)
     for j_b in range(0, i_b):
-        c_q, c_k, c_beta, c_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
-                                                   remaining, j_b, i_h, i_hv, offs_k, cum_last,
-                                                   H, HV, K, USE_L2NORM,
-                                                   USE_BETA_SIGMOID)  # fmt: skip
-        d_a, m_q = _pair_tiles(d_aqk_low, d_a_low, chunk_id, i_b, j_b)
-        rows_a, rows_q = _earlier_columns(d_a, m_q, ref, c_k, c_cum, rows_a, rows_q,
-                                          DOT_PRECISION)  # fmt: skip
+        c_q, c_k, c_beta, c_cum = _load_pair_block(
+            q=q,
+            k=k,
+            beta=beta,
+            cum_g=cum_g,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            start=start,
+            remaining=remaining,
+            i_b=j_b,
+            i_h=i_h,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            cum_last=cum_last,
+            H=H,
+            HV=HV,
+            K=K,
+            USE_L2NORM=USE_L2NORM,
+            USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+        )
+        d_a, m_q = _pair_tiles(
+            d_aqk_tiles=d_aqk_low, d_a_tiles=d_a_low, chunk_id=chunk_id, i_b=i_b, j_b=j_b
+        )
+        rows_a, rows_q = _earlier_columns(
+            d_a=d_a,
+            m_q=m_q,
+            ref=ref,
+            c_k=c_k,
+            c_cum=c_cum,
+            rows_a=rows_a,
+            rows_q=rows_q,
+            DOT_PRECISION=DOT_PRECISION,
+        )
     col = tl.zeros([BLOCK, BK], dtype=tl.float32)
     for j_b in range(i_b + 1, n_blocks):
-        c_q, c_k, c_beta, c_cum = _load_pair_block(q, k, beta, cum_g, q_norm, k_norm, start,
-                                                   remaining, j_b, i_h, i_hv, offs_k, cum_last,
-                                                   H, HV, K, USE_L2NORM,
-                                                   USE_BETA_SIGMOID)  # fmt: skip
-        c_ref, _c_up, c_k_in, c_q_in = _open_rows(c_q, c_k, c_cum, dot_dtype)
-        d_a, m_q = _pair_tiles(d_aqk_low, d_a_low, chunk_id, j_b, i_b)
-        col = _later_rows(d_a, m_q, c_beta, c_ref, c_k_in, c_q_in, r_cum, col, DOT_PRECISION)
-    _finish_rows(d_aqk_tiles, d_a_tiles, d_cum_rows, dq_rows, dk_rows, dbeta_part, start,
-                 remaining, chunk_id, i_b, i_hv, i_k, offs_k, r_q, r_k, r_beta, r_cum, ref, up,
-                 rows_a, rows_q, col, HV, K, N_K,
-                 SAFE_GATE or CHUNKS == "bounded", DIAGONAL_PRECISION)  # fmt: skip
+        c_q, c_k, c_beta, c_cum = _load_pair_block(
+            q=q,
+            k=k,
+            beta=beta,
+            cum_g=cum_g,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            start=start,
+            remaining=remaining,
+            i_b=j_b,
+            i_h=i_h,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            cum_last=cum_last,
+            H=H,
+            HV=HV,
+            K=K,
+            USE_L2NORM=USE_L2NORM,
+            USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+        )
+        c_ref, _c_up, c_k_in, c_q_in = _open_rows(
+            r_q=c_q, r_k=c_k, r_cum=c_cum, dot_dtype=dot_dtype
+        )
+        d_a, m_q = _pair_tiles(
+            d_aqk_tiles=d_aqk_low, d_a_tiles=d_a_low, chunk_id=chunk_id, i_b=j_b, j_b=i_b
+        )
+        col = _later_rows(
+            d_a=d_a,
+            m_q=m_q,
+            r_beta=c_beta,
+            ref=c_ref,
+            k_in=c_k_in,
+            q_in=c_q_in,
+            c_cum=r_cum,
+            col=col,
+            DOT_PRECISION=DOT_PRECISION,
+        )
+    _finish_rows(
+        d_aqk_tiles=d_aqk_tiles,
+        d_a_tiles=d_a_tiles,
+        d_cum_rows=d_cum_rows,
+        dq_rows=dq_rows,
+        dk_rows=dk_rows,
+        dbeta_part=dbeta_part,
+        start=start,
+        remaining=remaining,
+        chunk_id=chunk_id,
+        i_b=i_b,
+        i_hv=i_hv,
+        i_k=i_k,
+        offs_k=offs_k,
+        r_q=r_q,
+        r_k=r_k,
+        r_beta=r_beta,
+        r_cum=r_cum,
+        ref=ref,
+        up=up,
+        rows_a=rows_a,
+        rows_q=rows_q,
+        col=col,
+        HV=HV,
+        K=K,
+        N_K=N_K,
+        DENSE=SAFE_GATE or CHUNKS == "bounded",
+        DIAGONAL_PRECISION=DIAGONAL_PRECISION,
+    )
 
 
 # The prepare flags chunk_bwd_pairs_kernel takes.
@@ -333,31 +567,79 @@ def diagonal_precision(dot_precision: str, device: torch.device) -> str:
     return DIAGONAL_PRECISION if device.type == "cuda" and dot_precision != "ieee" else "ieee"
 
 
-def launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-                 pair_low_tiles, unbounded, length, layout: Layout, dq_hat, dk_hat, d_cum,
-                 dbeta_part) -> None:  # fmt: skip
+def launch_pairs(
+    q,
+    k,
+    beta,
+    cu_seqlens,
+    cum_g,
+    q_norm,
+    k_norm,
+    d_aqk_tiles,
+    d_a_tiles,
+    pair_low_tiles,
+    unbounded,
+    length,
+    layout: Layout,
+    dq_hat,
+    dk_hat,
+    d_cum,
+    dbeta_part,
+) -> None:
     """``chunk_bwd_pairs_kernel`` over every row block, key-column block, chunk and value
     head: one dense launch with the safe gate, else the launch over the chunks
     ``unbounded`` does not flag and the one over those it does."""
     heads, head_k = q.shape[2], q.shape[3]
     value_heads = beta.shape[2]
-    n_seqs, offsets, n_chunks, flags = (layout.n_seqs, layout.chunk_offsets, layout.n_chunks,
-                                        layout.flags)  # fmt: skip
+    n_seqs, offsets, n_chunks, flags = (
+        layout.n_seqs,
+        layout.chunk_offsets,
+        layout.n_chunks,
+        layout.flags,
+    )
     pair_k = pair_columns(layout.block_k, q.device)
     n_pair_k = cdiv(head_k, pair_k)
-    shape = dict(H=heads, HV=value_heads, K=head_k, BK=layout.block_k,
-                 BN=next_power_of_2(n_seqs), CHUNK=CHUNK, BLOCK=BLOCK.value)  # fmt: skip
+    shape = dict(
+        H=heads,
+        HV=value_heads,
+        K=head_k,
+        BK=layout.block_k,
+        BN=next_power_of_2(n_seqs),
+        CHUNK=CHUNK,
+        BLOCK=BLOCK.value,
+    )
     if flags["SAFE_GATE"]:
         pair_passes, unbounded = ("all",), None
     else:
         pair_passes = ("bounded", "unbounded")
     pair_flags = {name: flags[name] for name in PAIRS_FLAGS}
     diagonal = diagonal_precision(flags["DOT_PRECISION"], q.device)
+    d_aqk_low, d_a_low = pair_low_tiles
     for chunks in pair_passes:
         chunk_bwd_pairs_kernel[(n_chunks * 4 * n_pair_k, value_heads)](
-            q, k, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-            *pair_low_tiles, unbounded, length, n_seqs,
-            dq_hat, dk_hat, d_cum, dbeta_part,
-            **dict(shape, BK=pair_k), **pair_flags, DIAGONAL_PRECISION=diagonal, CHUNKS=chunks,
-            num_warps=pair_warps(chunks), num_stages=PAIRS_STAGES,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            beta=beta,
+            cu_seqlens=cu_seqlens,
+            chunk_offsets=offsets,
+            cum_g=cum_g,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            d_aqk_tiles=d_aqk_tiles,
+            d_a_tiles=d_a_tiles,
+            d_aqk_low=d_aqk_low,
+            d_a_low=d_a_low,
+            unbounded=unbounded,
+            length=length,
+            n_seqs=n_seqs,
+            dq_rows=dq_hat,
+            dk_rows=dk_hat,
+            d_cum_rows=d_cum,
+            dbeta_part=dbeta_part,
+            **dict(shape, BK=pair_k),
+            **pair_flags,
+            DIAGONAL_PRECISION=diagonal,
+            CHUNKS=chunks,
+            num_warps=pair_warps(chunks),
+            num_stages=PAIRS_STAGES,
+        )

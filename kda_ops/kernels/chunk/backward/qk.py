@@ -14,11 +14,12 @@ from kda_ops.kernels.sizes import cdiv
 
 
 @triton.jit
-def _l2norm_backward(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k,
-                     d_unit):  # fmt: skip
+def _l2norm_backward(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, offs_k, d_unit):
     """The gradient of raw rows of q or k ``[R, BK]`` from that of their l2-normalised
     rows: ``(d - x̂ (x̂ · d)) / sqrt(|x|² + eps)``."""
-    raw = load_unit_rows(x, tokens, rows_in, i_h, H, K, offs_k, False)
+    raw = load_unit_rows(
+        x=x, tokens=tokens, rows_in=rows_in, i_h=i_h, H=H, K=K, offs_k=offs_k, USE_L2NORM=False
+    )
     inv_norm = inverse_norm(raw)
     unit = raw * inv_norm[:, None]
     return (d_unit - unit * tl.sum(unit * d_unit, axis=1)[:, None]) * inv_norm[:, None]
@@ -26,11 +27,17 @@ def _l2norm_backward(x, tokens, rows_in, i_h, H: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit
 def chunk_bwd_qk_kernel(
-    x, d_unit, n_tokens,
+    x,
+    d_unit,
+    n_tokens,
     dx,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
     USE_L2NORM: tl.constexpr,
-):  # fmt: skip
+):
     """The gradient of q or k (``[B, T, H, K]``, its dtype) for BT tokens of head i_h from
     the per-value-head gradients of its l2-normalised rows (``[B, T, HV, K]`` fp32): the
     sum over the head's value-head group, then the l2norm backward. Apart from the pairs
@@ -43,12 +50,18 @@ def chunk_bwd_qk_kernel(
     mask = rows_in[:, None] & (offs_k < K)[None, :]
     d = tl.zeros([BT, BK], dtype=tl.float32)
     for i_g in range(0, HV // H):
-        d += tl.load(d_unit + (tokens * HV + i_h * (HV // H) + i_g)[:, None] * K
-                     + offs_k[None, :], mask=mask, other=0.0)  # fmt: skip
+        d += tl.load(
+            d_unit + (tokens * HV + i_h * (HV // H) + i_g)[:, None] * K + offs_k[None, :],
+            mask=mask,
+            other=0.0,
+        )
     if USE_L2NORM:
-        d = _l2norm_backward(x, tokens, rows_in, i_h, H, K, offs_k, d)
-    tl.store(dx + (tokens * H + i_h)[:, None] * K + offs_k[None, :], d.to(dx.dtype.element_ty),
-             mask=mask)  # fmt: skip
+        d = _l2norm_backward(
+            x=x, tokens=tokens, rows_in=rows_in, i_h=i_h, H=H, K=K, offs_k=offs_k, d_unit=d
+        )
+    tl.store(
+        dx + (tokens * H + i_h)[:, None] * K + offs_k[None, :], d.to(dx.dtype.element_ty), mask=mask
+    )
 
 
 def launch_qk_backward(x, d_unit, dx, use_qk_l2norm: bool) -> None:
@@ -57,6 +70,15 @@ def launch_qk_backward(x, d_unit, dx, use_qk_l2norm: bool) -> None:
     batch, length, heads, head_k = x.shape
     value_heads, block_k = d_unit.shape[2], dot_block(head_k)
     chunk_bwd_qk_kernel[(cdiv(batch * length, 32), heads)](
-        x, d_unit, batch * length, dx, H=heads, HV=value_heads, K=head_k, BK=block_k,
-        BT=32, USE_L2NORM=use_qk_l2norm, num_warps=4,
-    )  # fmt: skip
+        x=x,
+        d_unit=d_unit,
+        n_tokens=batch * length,
+        dx=dx,
+        H=heads,
+        HV=value_heads,
+        K=head_k,
+        BK=block_k,
+        BT=32,
+        USE_L2NORM=use_qk_l2norm,
+        num_warps=4,
+    )
