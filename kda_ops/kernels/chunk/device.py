@@ -25,19 +25,43 @@ L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
 
 
 @triton.jit
-def locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
-                 IS_VARLEN: tl.constexpr, C: tl.constexpr = 64):  # fmt: skip
+def locate_chunk(
+    i_c,
+    cu_seqlens,
+    chunk_offsets,
+    n_seqs,
+    length,
+    BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    C: tl.constexpr = 64,
+):
     """(first token of chunk i_c, tokens left in its sequence from there), both int64, for
     chunks of C tokens (``chunk_offsets`` numbering them); none left for the programs of
     the varlen grid's upper bound that have no chunk."""
-    start, remaining, _ = _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                  IS_VARLEN, C)  # fmt: skip
+    start, remaining, _ = _locate(
+        i_c=i_c,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        n_seqs=n_seqs,
+        length=length,
+        BN=BN,
+        IS_VARLEN=IS_VARLEN,
+        C=C,
+    )
     return start, remaining
 
 
 @triton.jit
-def _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
-            IS_VARLEN: tl.constexpr, C: tl.constexpr):  # fmt: skip
+def _locate(
+    i_c,
+    cu_seqlens,
+    chunk_offsets,
+    n_seqs,
+    length,
+    BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    C: tl.constexpr,
+):
     """``locate_chunk``'s (first token, tokens left) and the chunk's number in its
     sequence."""
     # One return after a constexpr if/else: Triton 3.6 type-checks every return it
@@ -69,9 +93,18 @@ def _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN: tl.constexpr,
 
 
 @triton.jit
-def program_chunk(pid, window_first, cu_seqlens, chunk_offsets, n_seqs, length,
-                  BN: tl.constexpr, IS_VARLEN: tl.constexpr, C: tl.constexpr,
-                  WINDOW: tl.constexpr):  # fmt: skip
+def program_chunk(
+    pid,
+    window_first,
+    cu_seqlens,
+    chunk_offsets,
+    n_seqs,
+    length,
+    BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    C: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """(global number, first token, tokens left in its sequence from there) of the chunk of
     C tokens of a token-parallel program numbered ``pid`` along the chunks. ``WINDOW`` =
     0: the chunk numbered as the program (``locate_chunk``). Else only chunks
@@ -81,12 +114,28 @@ def program_chunk(pid, window_first, cu_seqlens, chunk_offsets, n_seqs, length,
     times ``WINDOW`` programs could be many more than chunks)."""
     if WINDOW == 0:
         i_c = pid
-        start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                        IS_VARLEN, C)  # fmt: skip
+        start, remaining = locate_chunk(
+            i_c=i_c,
+            cu_seqlens=cu_seqlens,
+            chunk_offsets=chunk_offsets,
+            n_seqs=n_seqs,
+            length=length,
+            BN=BN,
+            IS_VARLEN=IS_VARLEN,
+            C=C,
+        )
     elif IS_VARLEN:
         i_c = pid
-        start, remaining, local = _locate(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                          IS_VARLEN, C)  # fmt: skip
+        start, remaining, local = _locate(
+            i_c=i_c,
+            cu_seqlens=cu_seqlens,
+            chunk_offsets=chunk_offsets,
+            n_seqs=n_seqs,
+            length=length,
+            BN=BN,
+            IS_VARLEN=IS_VARLEN,
+            C=C,
+        )
         inside = (local >= window_first) & (local < window_first + WINDOW)
         remaining = tl.where(inside, remaining, 0)
     else:
@@ -100,8 +149,9 @@ def program_chunk(pid, window_first, cu_seqlens, chunk_offsets, n_seqs, length,
 
 
 @triton.jit
-def sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr,
-                  C: tl.constexpr = 64):  # fmt: skip
+def sequence_span(
+    i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN: tl.constexpr, C: tl.constexpr = 64
+):
     """(first token, length, global number of the first chunk) of sequence i_n, for the
     head-parallel scans over its chunks of C tokens; int64, int64, int32."""
     if IS_VARLEN:
@@ -163,9 +213,20 @@ def block_cumsum(b_g, ROWS: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constexpr,
-                  ROWS: tl.constexpr, SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                  HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+def activate_gate(
+    raw_g,
+    rate,
+    bias,
+    lower_bound,
+    in_seq,
+    mask_k,
+    BK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
     """Activated log-decay of ROWS rows (``raw_g`` [ROWS, BK], or [ROWS] for a scalar
     gate) given ``gate_parameters``' ``rate`` and ``bias``, [ROWS, BK] fp32; 0 on padding
     rows."""
@@ -178,20 +239,32 @@ def activate_gate(raw_g, rate, bias, lower_bound, in_seq, mask_k, BK: tl.constex
                 b_g += bias
             else:
                 b_g += bias[None, :]
-        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+        b_g = gate_activation(
+            x=b_g, rate=rate, lower_bound=lower_bound, USE_LOWER_BOUND=USE_LOWER_BOUND
+        )
     return tl.where(in_seq[:, None] & mask_k[None, :], b_g, 0.0)
 
 
 @triton.jit
-def activate_scalar_gate(raw_g, rate, bias, lower_bound, in_seq, USE_GATE: tl.constexpr,
-                         HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):  # fmt: skip
+def activate_scalar_gate(
+    raw_g,
+    rate,
+    bias,
+    lower_bound,
+    in_seq,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
     """Activated log-decay of a scalar gate's rows (``raw_g`` [ROWS]), [ROWS] fp32; 0 on
     padding rows: one activation a row, where ``activate_gate`` broadcasts it over K."""
     b_g = raw_g.to(tl.float32)
     if USE_GATE:
         if HAS_DT_BIAS:
             b_g += bias
-        b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+        b_g = gate_activation(
+            x=b_g, rate=rate, lower_bound=lower_bound, USE_LOWER_BOUND=USE_LOWER_BOUND
+        )
     return tl.where(in_seq, b_g, 0.0)
 
 
@@ -243,12 +316,14 @@ def dyadic_level(level: tl.constexpr, decay, CUMULATIVE: tl.constexpr):
     middle = group * 2 * half + half
     token = sub[None, :]
     if CUMULATIVE:
-        at_middle = tl.dot((token == middle[:, None]).to(tl.float32), decay,
-                           input_precision="ieee")  # fmt: skip
+        at_middle = tl.dot((token == middle[:, None]).to(tl.float32), decay, input_precision="ieee")
         exponent = tl.where(upper[:, None], decay - at_middle, at_middle - decay)
     else:
-        span = tl.where(upper[:, None], (token > middle[:, None]) & (token <= sub[:, None]),
-                        (token > sub[:, None]) & (token <= middle[:, None]))  # fmt: skip
+        span = tl.where(
+            upper[:, None],
+            (token > middle[:, None]) & (token <= sub[:, None]),
+            (token > sub[:, None]) & (token <= middle[:, None]),
+        )
         exponent = tl.dot(span.to(tl.float32), decay, input_precision="tf32x3")
     pairs = (group[:, None] == group[None, :]) & upper[:, None] & (token < middle[:, None])
     return pairs, tl.exp(exponent)

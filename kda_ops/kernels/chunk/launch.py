@@ -52,12 +52,28 @@ def chunk_plan(
     are. Plans from symbolic shapes too (a traced graph). ``target``: the device to plan
     for, if not the tensors' (an ahead-of-time build's); ``single_prepare_launch``: as
     :func:`plan_prepare`'s ``single_launch``."""
-    prepare = plan_prepare(inputs, cu_seqlens, options, chunk, single_launch=single_prepare_launch)
-    o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
+    prepare = plan_prepare(
+        inputs=inputs,
+        cu_seqlens=cu_seqlens,
+        options=options,
+        chunk=chunk,
+        single_launch=single_prepare_launch,
+    )
+    o, final_state, initial_state = _outputs(
+        inputs=inputs, initial_state=initial_state, cu_seqlens=cu_seqlens, output=output
+    )
     launches = prepare.launches() + recurrence_launches(
-        prepare.intermediates, initial_state, cu_seqlens, prepare.chunk_offsets,
-        inputs.q.shape[1], o, final_state, chunk_states, prepare.precision, target=target,
-    )  # fmt: skip
+        intermediates=prepare.intermediates,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=prepare.chunk_offsets,
+        length=inputs.q.shape[1],
+        o=o,
+        final_state=final_state,
+        chunk_states=chunk_states,
+        precision=prepare.precision,
+        target=target,
+    )
     return LaunchPlan(tuple(launches), {"o": o, "final_state": final_state})
 
 
@@ -94,35 +110,80 @@ def launch_chunk_kda(
     batch, length, value_heads, head_v = inputs.v.shape
     device = inputs.q.device
     if chunk is None:
-        chunk = forward_chunk(batch, length, value_heads, head_v, cu_seqlens, device)
+        chunk = forward_chunk(
+            batch=batch,
+            length=length,
+            value_heads=value_heads,
+            head_v=head_v,
+            cu_seqlens=cu_seqlens,
+            device=device,
+        )
     if chunk not in (FORWARD_CHUNK, CHUNK):
         raise ValueError(f"chunk must be {FORWARD_CHUNK} or {CHUNK} tokens, got {chunk}")
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, head_v, cu_seqlens, device)
+        segments = recurrence_segments(
+            batch=batch,
+            length=length,
+            value_heads=value_heads,
+            head_v=head_v,
+            cu_seqlens=cu_seqlens,
+            device=device,
+        )
     if window_steps is None:
         window_steps = pipeline_window_steps(length, cu_seqlens is not None, device)
     if chunk != FORWARD_CHUNK:
         window_steps = 0
     if segments == 1 and window_steps == 0:
-        results = chunk_plan(inputs, initial_state, cu_seqlens, options, chunk_states,
-                             output, chunk).run()  # fmt: skip
+        results = chunk_plan(
+            inputs=inputs,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            options=options,
+            chunk_states=chunk_states,
+            output=output,
+            chunk=chunk,
+        ).run()
         return results["o"], results["final_state"]
-    prepare = plan_prepare(inputs, cu_seqlens, options, chunk)
-    o, final_state, initial_state = _outputs(inputs, initial_state, cu_seqlens, output)
+    prepare = plan_prepare(inputs=inputs, cu_seqlens=cu_seqlens, options=options, chunk=chunk)
+    o, final_state, initial_state = _outputs(
+        inputs=inputs, initial_state=initial_state, cu_seqlens=cu_seqlens, output=output
+    )
     if segments > 1:
         for launch in prepare.launches():
             launch.run()
-        segmented_recurrence(prepare.intermediates, initial_state, batch, length, segments, o,
-                             final_state, chunk_states, prepare.precision)  # fmt: skip
+        segmented_recurrence(
+            intermediates=prepare.intermediates,
+            initial_state=initial_state,
+            batch=batch,
+            length=length,
+            segments=segments,
+            o=o,
+            final_state=final_state,
+            chunk_states=chunk_states,
+            precision=prepare.precision,
+        )
     else:
-        run_pipelined(prepare, initial_state, cu_seqlens, length, o, final_state, chunk_states,
-                      window_steps)  # fmt: skip
+        run_pipelined(
+            prepare=prepare,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            length=length,
+            o=o,
+            final_state=final_state,
+            chunk_states=chunk_states,
+            window_steps=window_steps,
+        )
     return o, final_state
 
 
-def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
-                 options: DeltaRuleOptions, chunk: int = FORWARD_CHUNK, *,
-                 single_launch: bool = False) -> PrepareStep:  # fmt: skip
+def plan_prepare(
+    inputs: DeltaRuleInputs,
+    cu_seqlens: Optional[Tensor],
+    options: DeltaRuleOptions,
+    chunk: int = FORWARD_CHUNK,
+    *,
+    single_launch: bool = False,
+) -> PrepareStep:
     """The prepare kernel's :class:`PrepareStep` for ``inputs`` in chunks of ``chunk``
     tokens (16 or 64), its intermediates allocated. ``single_launch``: one ``"all"``
     launch whatever the gate, which redoes the chunks its dense pass overflows in the same
@@ -138,7 +199,9 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
         n_seqs = cu_seqlens.shape[0] - 1
         chunk_offsets = sequence_chunk_offsets(cu_seqlens, chunk)
     # An upper bound with packed sequences (no host sync); programs past the end exit.
-    n_chunks = chunk_state_rows(batch, length, None if cu_seqlens is None else n_seqs, chunk)
+    n_chunks = chunk_state_rows(
+        batch=batch, length=length, n_seqs=None if cu_seqlens is None else n_seqs, chunk_size=chunk
+    )
     block_k, block_v = dot_block(head_k), dot_block(head_v)
     flags = prepare_flags(inputs, cu_seqlens, options)
     tokens_shape = (batch, length, value_heads)
@@ -155,18 +218,49 @@ def plan_prepare(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
         writes += ("unbounded",)
     lower_bound = options.lower_bound
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-        chunk_offsets=chunk_offsets, scale=options.scale,
-        lower_bound=0.0 if lower_bound is None else lower_bound, length=length, n_seqs=n_seqs,
-        chunk_decay=chunk_decay, w=w, u=u, qg=qg, kd=kd, aqk=aqk, unbounded=unbounded,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        scale=options.scale,
+        lower_bound=0.0 if lower_bound is None else lower_bound,
+        length=length,
+        n_seqs=n_seqs,
+        chunk_decay=chunk_decay,
+        w=w,
+        u=u,
+        qg=qg,
+        kd=kd,
+        aqk=aqk,
+        unbounded=unbounded,
+        H=heads,
+        HV=value_heads,
+        K=head_k,
+        V=head_v,
+        BK=block_k,
+        BV=block_v,
         # Only packed sequences search their sequence among BN (a fixed length divides).
-        BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), **flags,
-        BLOCKS=chunk // BLOCK.value, num_warps=prepare_warps(block_k),
-    )  # fmt: skip
-    return PrepareStep(args, passes, writes, n_chunks, n_seqs, value_heads,
-                       (w, u, qg, kd, aqk, chunk_decay), chunk_offsets,
-                       flags["DOT_PRECISION"])  # fmt: skip
+        BN=1 if cu_seqlens is None else next_power_of_2(n_seqs),
+        **flags,
+        BLOCKS=chunk // BLOCK.value,
+        num_warps=prepare_warps(block_k),
+    )
+    return PrepareStep(
+        args=args,
+        passes=passes,
+        writes=writes,
+        n_chunks=n_chunks,
+        n_seqs=n_seqs,
+        value_heads=value_heads,
+        intermediates=(w, u, qg, kd, aqk, chunk_decay),
+        chunk_offsets=chunk_offsets,
+        precision=flags["DOT_PRECISION"],
+    )
 
 
 def _outputs(inputs, initial_state, cu_seqlens, output):
@@ -194,11 +288,35 @@ def scan_chunks(
     ``cu_seqlens`` (``sequence_chunk_offsets``). ``segments`` as in ``launch_chunk_kda``."""
     batch, length, value_heads = intermediates[1].shape[:3]
     if segments is None:
-        segments = recurrence_segments(batch, length, value_heads, intermediates[1].shape[3],
-                                       cu_seqlens, final_state.device)  # fmt: skip
+        segments = recurrence_segments(
+            batch=batch,
+            length=length,
+            value_heads=value_heads,
+            head_v=intermediates[1].shape[3],
+            cu_seqlens=cu_seqlens,
+            device=final_state.device,
+        )
     if segments == 1:
-        launch_recurrence(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
-                          final_state, chunk_states, precision)  # fmt: skip
+        launch_recurrence(
+            intermediates=intermediates,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            chunk_offsets=chunk_offsets,
+            length=length,
+            o=o,
+            final_state=final_state,
+            chunk_states=chunk_states,
+            precision=precision,
+        )
     else:
-        segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
-                             final_state, chunk_states, precision)  # fmt: skip
+        segmented_recurrence(
+            intermediates=intermediates,
+            initial_state=initial_state,
+            batch=batch,
+            length=length,
+            segments=segments,
+            o=o,
+            final_state=final_state,
+            chunk_states=chunk_states,
+            precision=precision,
+        )

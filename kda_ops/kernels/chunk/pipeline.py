@@ -52,9 +52,15 @@ class PrepareStep(NamedTuple):
         varlen = self.chunk_offsets is not None
         programs = self.n_chunks if size == 0 or varlen else self.n_seqs * size
         window_args = dict(window_first=first, WINDOW=size)
-        return [KernelLaunch(chunk_prepare_kernel, (programs, self.value_heads),
-                             {**self.args, **window_args, "CHUNKS": chunks}, self.writes)
-                for chunks in self.passes]  # fmt: skip
+        return [
+            KernelLaunch(
+                kernel=chunk_prepare_kernel,
+                grid=(programs, self.value_heads),
+                args={**self.args, **window_args, "CHUNKS": chunks},
+                writes=self.writes,
+            )
+            for chunks in self.passes
+        ]
 
 
 def _with_registers(launch: KernelLaunch, registers: Optional[int]) -> KernelLaunch:
@@ -76,10 +82,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
-                  cu_seqlens: Optional[Tensor], length: int, o: Optional[Tensor],
-                  final_state: Tensor, chunk_states: Optional[Tensor],
-                  window_steps: int) -> None:  # fmt: skip
+def run_pipelined(
+    prepare: PrepareStep,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    length: int,
+    o: Optional[Tensor],
+    final_state: Tensor,
+    chunk_states: Optional[Tensor],
+    window_steps: int,
+) -> None:
     """The prepare kernel's launches and the recurrence's, in windows of ``window_steps``
     16-token steps of every sequence, ``length`` tokens (the longest sequence's bound: T,
     or the packed total) in all. Outputs as ``launch_chunk_kda``'s; on CUDA it returns
@@ -105,10 +117,18 @@ def run_pipelined(prepare: PrepareStep, initial_state: Optional[Tensor],
             scan = torch.cuda.stream(side)
         state_in = initial_state if index == 0 else final_state
         with scan:
-            for launch in recurrence_launches(prepare.intermediates, state_in, cu_seqlens,
-                                              prepare.chunk_offsets, length, o, final_state,
-                                              chunk_states, prepare.precision,
-                                              window):  # fmt: skip
+            for launch in recurrence_launches(
+                intermediates=prepare.intermediates,
+                initial_state=state_in,
+                cu_seqlens=cu_seqlens,
+                chunk_offsets=prepare.chunk_offsets,
+                length=length,
+                o=o,
+                final_state=final_state,
+                chunk_states=chunk_states,
+                precision=prepare.precision,
+                window=window,
+            ):
                 _with_registers(launch, registers and registers[1]).run()
     if on_cuda:
         main.wait_stream(side)

@@ -41,14 +41,16 @@ def prepare_flags(
     fp32 inputs get exact fp32 products; fp16 / bf16 use the tensor cores."""
     q, lower_bound, has_gate = inputs.q, options.lower_bound, inputs.A_log is not None
     return dict(
-        SCALAR_GATE=inputs.g.dim() == 3, USE_GATE=has_gate,
+        SCALAR_GATE=inputs.g.dim() == 3,
+        USE_GATE=has_gate,
         HAS_DT_BIAS=inputs.dt_bias is not None,
         USE_LOWER_BOUND=lower_bound is not None and has_gate,
         SAFE_GATE=uses_safe_gate(lower_bound, has_gate, q.dtype),
-        USE_L2NORM=options.use_qk_l2norm, USE_BETA_SIGMOID=options.use_beta_sigmoid,
+        USE_L2NORM=options.use_qk_l2norm,
+        USE_BETA_SIGMOID=options.use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
 
 
 # Windows of the pipelined forward (``pipeline.py``) and the fewest tokens a window takes.
@@ -91,8 +93,14 @@ def pipeline_window_steps(length: int, packed: bool, device: torch.device) -> in
     return cdiv(cdiv(length, FORWARD_CHUNK), PIPELINE_WINDOWS)
 
 
-def forward_chunk(batch: int, length: int, value_heads: int, head_v: int,
-                  cu_seqlens: Optional[Tensor], device: torch.device) -> int:  # fmt: skip
+def forward_chunk(
+    batch: int,
+    length: int,
+    value_heads: int,
+    head_v: int,
+    cu_seqlens: Optional[Tensor],
+    device: torch.device,
+) -> int:
     """Tokens of the inference forward's prepare chunks and recurrence steps:
     ``FORWARD_CHUNK`` (16; the package docstring says why)."""
     return FORWARD_CHUNK
@@ -114,8 +122,15 @@ def prepare_warps(block_k: int) -> int:
     return 4 if block_k <= 128 else 8
 
 
-def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
-                store_output: bool, rows: int = 64) -> int:  # fmt: skip
+def scan_shared(
+    stages: int,
+    block_k: int,
+    block_v: int,
+    itemsize: int,
+    aqk_itemsize: int,
+    store_output: bool,
+    rows: int = 64,
+) -> int:
     """Bytes of shared memory a head-parallel scan's loop takes at ``stages`` stages of
     ``rows`` token rows, an upper bound (:func:`scan_stages`)."""
     tiles = itemsize * (2 * block_k + block_v)
@@ -124,8 +139,15 @@ def scan_shared(stages: int, block_k: int, block_v: int, itemsize: int, aqk_item
     return stages * (rows * tiles + 4 * block_k) + itemsize * block_k * block_v
 
 
-def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
-                store_output: bool, shared_memory: int, rows: int = 64) -> int:  # fmt: skip
+def scan_stages(
+    block_k: int,
+    block_v: int,
+    itemsize: int,
+    aqk_itemsize: int,
+    store_output: bool,
+    shared_memory: int,
+    rows: int = 64,
+) -> int:
     """Pipeline stages of a head-parallel scan's loop over the chunks (this forward's
     ``chunk_recurrence_kernel``, the backward's dS scan): 3 at up to 64 value columns
     where their buffers fit ``shared_memory`` bytes, else 2. With 2 the next chunk's tiles
@@ -146,10 +168,17 @@ def scan_stages(block_k: int, block_v: int, itemsize: int, aqk_itemsize: int,
     recurrence's tiles is about half of shared memory: 2 stages where they fit (narrow
     value blocks), else 1, whose loads wait at the start of each step.
     ``tests/kda_ops/kernels/test_sm90_compile.py`` checks the launches against the limit."""
-    tiles = (block_k, block_v, itemsize, aqk_itemsize, store_output, rows)
-    if block_v <= 64 and scan_shared(3, *tiles) <= shared_memory:
+    tiles = dict(
+        block_k=block_k,
+        block_v=block_v,
+        itemsize=itemsize,
+        aqk_itemsize=aqk_itemsize,
+        store_output=store_output,
+        rows=rows,
+    )
+    if block_v <= 64 and scan_shared(stages=3, **tiles) <= shared_memory:
         return 3
-    if block_k <= 128 or scan_shared(2, *tiles) <= shared_memory:
+    if block_k <= 128 or scan_shared(stages=2, **tiles) <= shared_memory:
         return 2
     return 1
 
@@ -204,9 +233,14 @@ def _excluded(columns: int, splits: tuple[int, ...]) -> bool:
     return columns in SCAN_COLUMN_SPLITS and columns not in splits
 
 
-def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int],
-                       three_stages_at_64: bool, widest: int = 128,
-                       splits: tuple[int, ...] = SCAN_COLUMN_SPLITS) -> int:  # fmt: skip
+def scan_value_columns(
+    block_v: int,
+    sequence_heads: int,
+    sm_count: Optional[int],
+    three_stages_at_64: bool,
+    widest: int = 128,
+    splits: tuple[int, ...] = SCAN_COLUMN_SPLITS,
+) -> int:
     """Value columns per program of a head-parallel scan over the chunks (this forward's
     recurrence, the backward's reverse scan) on ``sm_count`` SMs (``None`` off CUDA): the
     fewest that still leave every program an SM of its own; where none does, 64 if a scan
@@ -228,10 +262,19 @@ def scan_value_columns(block_v: int, sequence_heads: int, sm_count: Optional[int
     return splits[0] if _excluded(columns, splits) else columns
 
 
-def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optional[int],
-                itemsize: int, aqk_itemsize: int, store_output: bool, shared_memory: int,
-                pipelined: bool = True, rows: int = 64,
-                run_ahead: bool = True) -> tuple[int, int]:  # fmt: skip
+def scan_config(
+    block_k: int,
+    block_v: int,
+    sequence_heads: int,
+    sm_count: Optional[int],
+    itemsize: int,
+    aqk_itemsize: int,
+    store_output: bool,
+    shared_memory: int,
+    pipelined: bool = True,
+    rows: int = 64,
+    run_ahead: bool = True,
+) -> tuple[int, int]:
     """(value columns a program, pipeline stages) of a head-parallel scan over the chunks:
     :func:`scan_value_columns` and :func:`scan_stages` for its tiles (arguments as
     there), or 1 stage where the launcher does not pipeline the loop. ``run_ahead``:
@@ -242,23 +285,63 @@ def scan_config(block_k: int, block_v: int, sequence_heads: int, sm_count: Optio
     widest = scan_widest(block_k, itemsize)
     splits = scan_column_splits(block_k, itemsize, rows)
     if not pipelined:
-        return scan_value_columns(block_v, sequence_heads, sm_count, False, widest, splits), 1
-    tiles = (itemsize, aqk_itemsize, store_output, shared_memory, rows)
-    three_stages_at_64 = run_ahead and scan_stages(block_k, 64, *tiles) == 3
-    columns = scan_value_columns(block_v, sequence_heads, sm_count, three_stages_at_64, widest,
-                                 splits)  # fmt: skip
-    return columns, scan_stages(block_k, columns, *tiles)
+        columns = scan_value_columns(
+            block_v=block_v,
+            sequence_heads=sequence_heads,
+            sm_count=sm_count,
+            three_stages_at_64=False,
+            widest=widest,
+            splits=splits,
+        )
+        return columns, 1
+    tiles = dict(
+        itemsize=itemsize,
+        aqk_itemsize=aqk_itemsize,
+        store_output=store_output,
+        shared_memory=shared_memory,
+        rows=rows,
+    )
+    three_stages_at_64 = run_ahead and scan_stages(block_k=block_k, block_v=64, **tiles) == 3
+    columns = scan_value_columns(
+        block_v=block_v,
+        sequence_heads=sequence_heads,
+        sm_count=sm_count,
+        three_stages_at_64=three_stages_at_64,
+        widest=widest,
+        splits=splits,
+    )
+    return columns, scan_stages(block_k=block_k, block_v=columns, **tiles)
 
 
-def scan_launch(block_k: int, block_v: int, sequence_heads: int, device: torch.device,
-                itemsize: int, aqk_itemsize: int, store_output: bool,
-                pipelined: bool = True, rows: int = 64, run_ahead: bool = True, *,
-                target: Optional[DeviceSizes] = None) -> tuple[int, int]:  # fmt: skip
+def scan_launch(
+    block_k: int,
+    block_v: int,
+    sequence_heads: int,
+    device: torch.device,
+    itemsize: int,
+    aqk_itemsize: int,
+    store_output: bool,
+    pipelined: bool = True,
+    rows: int = 64,
+    run_ahead: bool = True,
+    *,
+    target: Optional[DeviceSizes] = None,
+) -> tuple[int, int]:
     """:func:`scan_config` on ``device``, or on the device ``target`` describes."""
     sizes = device_sizes(device) if target is None else target
-    return scan_config(block_k, block_v, sequence_heads, sizes.processors, itemsize,
-                       aqk_itemsize, store_output, sizes.shared_memory, pipelined, rows,
-                       run_ahead)  # fmt: skip
+    return scan_config(
+        block_k=block_k,
+        block_v=block_v,
+        sequence_heads=sequence_heads,
+        sm_count=sizes.processors,
+        itemsize=itemsize,
+        aqk_itemsize=aqk_itemsize,
+        store_output=store_output,
+        shared_memory=sizes.shared_memory,
+        pipelined=pipelined,
+        rows=rows,
+        run_ahead=run_ahead,
+    )
 
 
 def scan_launches(
@@ -286,10 +369,21 @@ def scan_launches(
     return [(0, sequence_heads, columns)]
 
 
-def scan_plan(block_k: int, block_v: int, sequence_heads, device: torch.device, itemsize: int,
-              aqk_itemsize: int, store_output: bool, warps: int, pipelined: bool = True,
-              rows: int = 64, run_ahead: bool = True, *,
-              target: Optional[DeviceSizes] = None) -> list[tuple]:  # fmt: skip
+def scan_plan(
+    block_k: int,
+    block_v: int,
+    sequence_heads,
+    device: torch.device,
+    itemsize: int,
+    aqk_itemsize: int,
+    store_output: bool,
+    warps: int,
+    pipelined: bool = True,
+    rows: int = 64,
+    run_ahead: bool = True,
+    *,
+    target: Optional[DeviceSizes] = None,
+) -> list[tuple]:
     """(first sequence-head, sequence-heads, value columns, pipeline stages) of each launch
     of a head-parallel scan on ``device`` (or on the device ``target`` describes: an
     ahead-of-time build's): :func:`scan_launch`'s columns, its programs
@@ -298,21 +392,36 @@ def scan_plan(block_k: int, block_v: int, sequence_heads, device: torch.device, 
     for any batch) one launch at the columns of a batch that fills the SMs."""
     sizes = device_sizes(device) if target is None else target
     sms, shared = sizes.processors or 1, sizes.shared_memory  # no SMs: the interpreter's one
-    tiles = (itemsize, aqk_itemsize, store_output)
+    tiles = dict(itemsize=itemsize, aqk_itemsize=aqk_itemsize, store_output=store_output)
     options = dict(pipelined=pipelined, rows=rows, run_ahead=run_ahead, target=sizes)
 
     def stages(columns: int) -> int:
-        return scan_stages(block_k, columns, *tiles, shared, rows) if pipelined else 1
+        return (
+            scan_stages(block_k=block_k, block_v=columns, **tiles, shared_memory=shared, rows=rows)
+            if pipelined
+            else 1
+        )
 
     if not isinstance(sequence_heads, int):
-        columns, column_stages = scan_launch(block_k, block_v, sms, device, *tiles, **options)
+        columns, column_stages = scan_launch(
+            block_k=block_k, block_v=block_v, sequence_heads=sms, device=device, **tiles, **options
+        )
         return [(0, sequence_heads, columns, column_stages)]
-    columns, column_stages = scan_launch(block_k, block_v, sequence_heads, device, *tiles,
-                                         **options)  # fmt: skip
-    buffers = scan_shared(column_stages, block_k, columns, *tiles, rows)
+    columns, column_stages = scan_launch(
+        block_k=block_k,
+        block_v=block_v,
+        sequence_heads=sequence_heads,
+        device=device,
+        **tiles,
+        **options,
+    )
+    buffers = scan_shared(
+        stages=column_stages, block_k=block_k, block_v=columns, **tiles, rows=rows
+    )
     slots = sms * scan_residency(buffers, warps, shared)
     splits = scan_column_splits(block_k, itemsize, rows)
     return [
         (first, heads, split, stages(split))
+        # Positional: tests stand in for scan_launches with a lambda taking *args.
         for first, heads, split in scan_launches(block_v, sequence_heads, columns, slots, splits)
     ]

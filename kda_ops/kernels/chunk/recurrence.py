@@ -40,18 +40,51 @@ from kda_ops.reference import longest_first
 # against 212992) than Hopper has; the launch planning assumes an unspecialized length.
 @triton.jit(do_not_specialize=["length"])
 def chunk_recurrence_kernel(
-    w, u, qg, kd, aqk, chunk_decay, initial_state, cu_seqlens, chunk_offsets, state_chunks,
-    sequence_order, length, first_head, window_begin, o, final_state, chunk_states,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, STEP: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr, STORE_OUTPUT: tl.constexpr, STAGES: tl.constexpr,
-    WINDOW_STEPS: tl.constexpr, UNMASKED_FULL_STEPS: tl.constexpr,
-):  # fmt: skip
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    chunk_decay,
+    initial_state,
+    cu_seqlens,
+    chunk_offsets,
+    state_chunks,
+    sequence_order,
+    length,
+    first_head,
+    window_begin,
+    o,
+    final_state,
+    chunk_states,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    STEP: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr,
+    STORE_OUTPUT: tl.constexpr,
+    STAGES: tl.constexpr,
+    WINDOW_STEPS: tl.constexpr,
+    UNMASKED_FULL_STEPS: tl.constexpr,
+):
     i_v, i_rank = value_block_program(WIDTH, BV)
-    i_n, i_hv, i_nh = scan_program(first_head + i_rank, sequence_order, HV, IS_VARLEN)
-    bos, seq_len, first_step = sequence_span(i_n, cu_seqlens, chunk_offsets, length, IS_VARLEN,
-                                             STEP)  # fmt: skip
+    i_n, i_hv, i_nh = scan_program(
+        i_rank=first_head + i_rank, sequence_order=sequence_order, HV=HV, IS_VARLEN=IS_VARLEN
+    )
+    bos, seq_len, first_step = sequence_span(
+        i_n=i_n,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        length=length,
+        IS_VARLEN=IS_VARLEN,
+        C=STEP,
+    )
     steps_begin = 0
     steps_end = tl.cdiv(seq_len, STEP)
     if WINDOW_STEPS > 0:  # a time window: the state comes in and goes out through memory
@@ -64,7 +97,13 @@ def chunk_recurrence_kernel(
     if STEPS_A_CHUNK == 1:
         first_chunk = first_step
     else:
-        _, _, first_chunk = sequence_span(i_n, cu_seqlens, state_chunks, length, IS_VARLEN)
+        _, _, first_chunk = sequence_span(
+            i_n=i_n,
+            cu_seqlens=cu_seqlens,
+            chunk_offsets=state_chunks,
+            length=length,
+            IS_VARLEN=IS_VARLEN,
+        )
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -106,8 +145,11 @@ def chunk_recurrence_kernel(
             if STORE_CHUNK_STATES:  # noqa: SIM102 (a constexpr, then a tensor condition)
                 if c % STEPS_A_CHUNK == 0:  # the state entering a chunk
                     state_id = (first_chunk + c // STEPS_A_CHUNK).to(tl.int64) * HV + i_hv
-                    tl.store(chunk_states + state_id * K * WIDTH + tile_offsets,
-                             state.to(chunk_states.dtype.element_ty), mask=state_mask)  # fmt: skip
+                    tl.store(
+                        chunk_states + state_id * K * WIDTH + tile_offsets,
+                        state.to(chunk_states.dtype.element_ty),
+                        mask=state_mask,
+                    )
             b_aqk = tl.load(aqk + (chunk_id * STEP + rows)[:, None] * STEP + rows[None, :])
             # Blocks above the diagonal are never written (no zero-filled buffer needed).
             b_aqk = tl.where(rows[:, None] >= rows[None, :], b_aqk, 0.0)
@@ -116,14 +158,18 @@ def chunk_recurrence_kernel(
             )
 
             b_state = state.to(dot_dtype)
-            v_new = b_u.to(tl.float32) - tl.dot(b_w.to(dot_dtype), b_state,
-                                                input_precision=DOT_PRECISION)  # fmt: skip
+            v_new = b_u.to(tl.float32) - tl.dot(
+                b_w.to(dot_dtype), b_state, input_precision=DOT_PRECISION
+            )
             v_new = tl.where(mask_rows_s, v_new, 0.0).to(dot_dtype)
             if STORE_OUTPUT:
                 b_o = tl.dot(b_qg.to(dot_dtype), b_state, input_precision=DOT_PRECISION)
                 b_o += tl.dot(b_aqk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
-                tl.store(o + token_offsets * V + offs_v[None, :], b_o.to(o.dtype.element_ty),
-                         mask=mask_rows_v)  # fmt: skip
+                tl.store(
+                    o + token_offsets * V + offs_v[None, :],
+                    b_o.to(o.dtype.element_ty),
+                    mask=mask_rows_v,
+                )
             state = state * decay_last[:, None] + tl.dot(
                 tl.trans(b_kd.to(dot_dtype)), v_new, input_precision=DOT_PRECISION
             )
@@ -160,10 +206,20 @@ def unmasked_full_steps(precision: str, step: int) -> bool:
 # (``benchmarks/results/triton_repro_32cols_ptxas_h100.log``).
 
 
-def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets, length, o,
-                        final_state, chunk_states, precision,
-                        window: tuple[int, int] = (0, 0), *,
-                        target: DeviceSizes | None = None) -> list[KernelLaunch]:  # fmt: skip
+def recurrence_launches(
+    intermediates,
+    initial_state,
+    cu_seqlens,
+    chunk_offsets,
+    length,
+    o,
+    final_state,
+    chunk_states,
+    precision,
+    window: tuple[int, int] = (0, 0),
+    *,
+    target: DeviceSizes | None = None,
+) -> list[KernelLaunch]:
     """The launches of ``chunk_recurrence_kernel`` over the sequences of ``final_state``
     (``[N, HV, K, width]``; ``width`` > V adds transition columns, see the kernel). With a
     symbolic sequence count (a graph traced for any batch) one launch at the value columns
@@ -181,31 +237,66 @@ def recurrence_launches(intermediates, initial_state, cu_seqlens, chunk_offsets,
     n_seqs, value_heads, head_k, state_width = final_state.shape
     head_v = u.shape[-1]
     block_k, block_v = dot_block(head_k), dot_block(state_width)
-    launches = scan_plan(block_k, block_v, n_seqs * value_heads, u.device, w.element_size(),
-                         aqk.element_size(), o is not None, scan_warps(block_k),
-                         rows=step, target=target)  # fmt: skip
+    launches = scan_plan(
+        block_k=block_k,
+        block_v=block_v,
+        sequence_heads=n_seqs * value_heads,
+        device=u.device,
+        itemsize=w.element_size(),
+        aqk_itemsize=aqk.element_size(),
+        store_output=o is not None,
+        warps=scan_warps(block_k),
+        rows=step,
+        target=target,
+    )
     written = {"o": o, "final_state": final_state, "chunk_states": chunk_states}
     writes = tuple(name for name, tensor in written.items() if tensor is not None)
     return [
-        KernelLaunch(chunk_recurrence_kernel, (cdiv(state_width, split_v) * heads,), dict(
-            w=w, u=u, qg=qg, kd=kd, aqk=aqk, chunk_decay=chunk_decay,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets,
-            state_chunks=state_chunks, sequence_order=sequence_order, length=length,
-            first_head=first_head, window_begin=window[0], o=o, final_state=final_state,
-            chunk_states=chunk_states,
-            HV=value_heads, K=head_k, V=head_v, WIDTH=state_width, BK=block_k, BV=split_v,
-            STEP=step,
-            HAS_INITIAL_STATE=initial_state is not None, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=precision, STORE_CHUNK_STATES=chunk_states is not None,
-            STORE_OUTPUT=o is not None,
-            STAGES=stages, WINDOW_STEPS=window[1],
-            UNMASKED_FULL_STEPS=unmasked_full_steps(precision, step), num_warps=scan_warps(block_k),
-        ), writes)
+        KernelLaunch(
+            kernel=chunk_recurrence_kernel,
+            grid=(cdiv(state_width, split_v) * heads,),
+            args=dict(
+                w=w,
+                u=u,
+                qg=qg,
+                kd=kd,
+                aqk=aqk,
+                chunk_decay=chunk_decay,
+                initial_state=initial_state,
+                cu_seqlens=cu_seqlens,
+                chunk_offsets=chunk_offsets,
+                state_chunks=state_chunks,
+                sequence_order=sequence_order,
+                length=length,
+                first_head=first_head,
+                window_begin=window[0],
+                o=o,
+                final_state=final_state,
+                chunk_states=chunk_states,
+                HV=value_heads,
+                K=head_k,
+                V=head_v,
+                WIDTH=state_width,
+                BK=block_k,
+                BV=split_v,
+                STEP=step,
+                HAS_INITIAL_STATE=initial_state is not None,
+                IS_VARLEN=cu_seqlens is not None,
+                DOT_PRECISION=precision,
+                STORE_CHUNK_STATES=chunk_states is not None,
+                STORE_OUTPUT=o is not None,
+                STAGES=stages,
+                WINDOW_STEPS=window[1],
+                UNMASKED_FULL_STEPS=unmasked_full_steps(precision, step),
+                num_warps=scan_warps(block_k),
+            ),
+            writes=writes,
+        )
         for first_head, heads, split_v, stages in launches
-    ]  # fmt: skip
+    ]
 
 
-def launch_recurrence(*args: object) -> None:
-    """Run :func:`recurrence_launches` (same arguments)."""
-    for launch in recurrence_launches(*args):
+def launch_recurrence(**arguments: object) -> None:
+    """Run :func:`recurrence_launches` (same arguments, by name)."""
+    for launch in recurrence_launches(**arguments):
         launch.run()

@@ -31,7 +31,9 @@ def recurrence_segments(
     ``device``'s SMs): fixed length on CUDA only, else 1."""
     if cu_seqlens is not None or device.type != "cuda":
         return 1
-    return segment_count(batch, length, value_heads, head_v, processors(device))
+    return segment_count(
+        batch=batch, length=length, value_heads=value_heads, head_v=head_v, sms=processors(device)
+    )
 
 
 def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: int) -> int:
@@ -55,8 +57,9 @@ def segment_count(batch: int, length: int, value_heads: int, head_v: int, sms: i
     return segments
 
 
-def segmented_recurrence(intermediates, initial_state, batch, length, segments, o,
-                         final_state, chunk_states, precision):  # fmt: skip
+def segmented_recurrence(
+    intermediates, initial_state, batch, length, segments, o, final_state, chunk_states, precision
+):
     """In-device context parallelism for the recurrence (the prepare kernel's outputs are
     per chunk, so segments share them). Each sequence is cut into ``segments`` runs of
     whole chunks, run as packed sequences:
@@ -75,10 +78,20 @@ def segmented_recurrence(intermediates, initial_state, batch, length, segments, 
     segment_length = length // segments
     cuts = torch.arange(0, batch * length + 1, segment_length, device=device, dtype=torch.int32)
     chunk_offsets = sequence_chunk_offsets(cuts, intermediates[4].shape[-1])  # aqk's chunk
-    maps = torch.empty(batch * segments, value_heads, head_k, head_v + head_k, device=device,
-                       dtype=torch.float32)  # fmt: skip
-    launch_recurrence(intermediates, None, cuts, chunk_offsets, segment_length, None, maps, None,
-                      precision)  # fmt: skip
+    maps = torch.empty(
+        batch * segments, value_heads, head_k, head_v + head_k, device=device, dtype=torch.float32
+    )
+    launch_recurrence(
+        intermediates=intermediates,
+        initial_state=None,
+        cu_seqlens=cuts,
+        chunk_offsets=chunk_offsets,
+        length=segment_length,
+        o=None,
+        final_state=maps,
+        chunk_states=None,
+        precision=precision,
+    )
     maps = maps.unflatten(0, (batch, segments))
     ends, transitions = maps[..., :head_v], maps[..., head_v:]
     state = torch.zeros_like(final_state) if initial_state is None else initial_state
@@ -88,6 +101,15 @@ def segmented_recurrence(intermediates, initial_state, batch, length, segments, 
         state = transitions[:, segment] @ state + ends[:, segment]
     starts = torch.stack(starts, 1).flatten(0, 1)
     segment_finals = torch.empty_like(starts)
-    launch_recurrence(intermediates, starts, cuts, chunk_offsets, segment_length, o, segment_finals,
-                      chunk_states, precision)  # fmt: skip
+    launch_recurrence(
+        intermediates=intermediates,
+        initial_state=starts,
+        cu_seqlens=cuts,
+        chunk_offsets=chunk_offsets,
+        length=segment_length,
+        o=o,
+        final_state=segment_finals,
+        chunk_states=chunk_states,
+        precision=precision,
+    )
     final_state.copy_(segment_finals.unflatten(0, (batch, segments))[:, -1])
