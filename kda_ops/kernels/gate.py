@@ -27,9 +27,17 @@ def gate_activation(x, rate, lower_bound, USE_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
-def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
-                    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                    HAS_DT_BIAS: tl.constexpr):  # fmt: skip
+def gate_parameters(
+    A_log,
+    dt_bias,
+    i_hv,
+    offs_k,
+    mask_k,
+    K: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+):
     """Value head i_hv's gate parameters for :func:`gate_activation` (the chunk kernels'
     ``activate_gate``, the recurrent kernel): the rate e^{A_log} (fp32) and dt_bias (fp32
     ``[BK]``, a scalar for a scalar gate; 0 without). A program loads them once, before
@@ -49,10 +57,19 @@ def gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr,
 
 @triton.jit
 def kda_gate_kernel(
-    g, A_log, dt_bias, lower_bound, n_rows, out,
-    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-):  # fmt: skip
+    g,
+    A_log,
+    dt_bias,
+    lower_bound,
+    n_rows,
+    out,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BK)
     mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
@@ -62,7 +79,11 @@ def kda_gate_kernel(
     if HAS_DT_BIAS:
         b_g += tl.load(dt_bias + heads[:, None] * K + cols[None, :], mask=mask, other=0.0)
     rate = tl.exp(tl.load(A_log + heads, mask=rows < n_rows, other=0.0).to(tl.float32))[:, None]
-    tl.store(out + offsets, gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND), mask=mask)
+    tl.store(
+        out + offsets,
+        gate_activation(x=b_g, rate=rate, lower_bound=lower_bound, USE_LOWER_BOUND=USE_LOWER_BOUND),
+        mask=mask,
+    )
 
 
 def gate_launch(
@@ -75,11 +96,20 @@ def gate_launch(
     n_rows = g.numel() // channels if channels else 0
     block_k = next_power_of_2(channels)
     rows = max(1, min(128, 8192 // block_k))
-    args = dict(g=g, A_log=A_log, dt_bias=dt_bias,
-                lower_bound=0.0 if lower_bound is None else lower_bound, n_rows=n_rows,
-                out=torch.empty_like(g, dtype=torch.float32), HV=heads, K=channels, BK=block_k,
-                ROWS=rows, HAS_DT_BIAS=dt_bias is not None,
-                USE_LOWER_BOUND=lower_bound is not None)  # fmt: skip
+    args = dict(
+        g=g,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=0.0 if lower_bound is None else lower_bound,
+        n_rows=n_rows,
+        out=torch.empty_like(g, dtype=torch.float32),
+        HV=heads,
+        K=channels,
+        BK=block_k,
+        ROWS=rows,
+        HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+    )
     return KernelLaunch(kda_gate_kernel, (cdiv(n_rows, rows),), args, writes=("out",))
 
 
@@ -87,6 +117,6 @@ def launch_kda_gate(
     g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor], lower_bound: Optional[float]
 ) -> Tensor:
     """g ``[..., HV, K]`` -> float32 log-decay of g's shape."""
-    launch = gate_launch(g, A_log, dt_bias, lower_bound)
+    launch = gate_launch(g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     launch.run()
     return launch.args["out"]

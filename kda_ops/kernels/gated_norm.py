@@ -15,8 +15,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _load_rows(x, gate, weight, eps, n_rows, D: tl.constexpr, BD: tl.constexpr,
-               ROWS: tl.constexpr):  # fmt: skip
+def _load_rows(x, gate, weight, eps, n_rows, D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr):
     """This program's rows: (offsets, mask, x, gate, weight, rstd), fp32 values."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BD)
@@ -31,10 +30,20 @@ def _load_rows(x, gate, weight, eps, n_rows, D: tl.constexpr, BD: tl.constexpr,
 
 @triton.jit
 def gated_rms_norm_kernel(
-    x, gate, weight, eps, n_rows, y,
-    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
-):  # fmt: skip
-    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(x, gate, weight, eps, n_rows, D, BD, ROWS)
+    x,
+    gate,
+    weight,
+    eps,
+    n_rows,
+    y,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    ROWS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(
+        x=x, gate=gate, weight=weight, eps=eps, n_rows=n_rows, D=D, BD=BD, ROWS=ROWS
+    )
     activated = b_gate * tl.sigmoid(b_gate) if SILU else tl.sigmoid(b_gate)
     b_y = b_x * rstd[:, None] * b_w[None, :] * activated
     tl.store(y + offsets, b_y.to(y.dtype.element_ty), mask=mask)
@@ -42,14 +51,27 @@ def gated_rms_norm_kernel(
 
 @triton.jit
 def gated_rms_norm_backward_kernel(
-    x, gate, weight, grad_y, eps, n_rows, dx, dgate, dweight_parts,
-    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SILU: tl.constexpr,
-):  # fmt: skip
+    x,
+    gate,
+    weight,
+    grad_y,
+    eps,
+    n_rows,
+    dx,
+    dgate,
+    dweight_parts,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    ROWS: tl.constexpr,
+    SILU: tl.constexpr,
+):
     """With x̂ = x · rstd and u = dy · w · act(gate) (the gradient of x̂):
     ``dx = rstd (u - x̂ mean(u x̂))``, ``dgate = dy x̂ w act'(gate)``, and this program's
     rows' share of ``dweight = Σ_rows dy x̂ act(gate)`` at row ``program_id`` of
     ``dweight_parts`` ``[programs, D]`` fp32."""
-    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(x, gate, weight, eps, n_rows, D, BD, ROWS)
+    offsets, mask, b_x, b_gate, b_w, rstd = _load_rows(
+        x=x, gate=gate, weight=weight, eps=eps, n_rows=n_rows, D=D, BD=BD, ROWS=ROWS
+    )
     b_dy = tl.load(grad_y + offsets, mask=mask, other=0.0).to(tl.float32)
     x_hat = b_x * rstd[:, None]
     sig = tl.sigmoid(b_gate)
@@ -65,16 +87,23 @@ def gated_rms_norm_backward_kernel(
     b_dgate = b_dy * x_hat * b_w[None, :] * slope
     tl.store(dgate + offsets, b_dgate.to(dgate.dtype.element_ty), mask=mask)
     cols = tl.arange(0, BD)
-    tl.store(dweight_parts + tl.program_id(0) * D + cols, tl.sum(b_dy * x_hat * activated, axis=0),
-             mask=cols < D)  # fmt: skip
+    tl.store(
+        dweight_parts + tl.program_id(0) * D + cols,
+        tl.sum(b_dy * x_hat * activated, axis=0),
+        mask=cols < D,
+    )
 
 
 def _row_blocks(x: Tensor) -> dict[str, int]:
     """Rows, padded width and rows per program of ``x [..., D]`` for both kernels."""
     width = x.shape[-1]
     block_d = next_power_of_2(width)
-    return dict(n_rows=x.numel() // width if width else 0, D=width, BD=block_d,
-                ROWS=max(1, ROW_BLOCK_ELEMENTS // block_d))  # fmt: skip
+    return dict(
+        n_rows=x.numel() // width if width else 0,
+        D=width,
+        BD=block_d,
+        ROWS=max(1, ROW_BLOCK_ELEMENTS // block_d),
+    )
 
 
 def gated_rms_norm_launch(
@@ -85,8 +114,16 @@ def gated_rms_norm_launch(
     x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
     shape = _row_blocks(x)
     grid = (cdiv(shape["n_rows"], shape["ROWS"]),)
-    args = dict(x=x, gate=gate, weight=weight, eps=eps, y=torch.empty_like(x), **shape,
-                SILU=activation == "silu", num_warps=NUM_WARPS)  # fmt: skip
+    args = dict(
+        x=x,
+        gate=gate,
+        weight=weight,
+        eps=eps,
+        y=torch.empty_like(x),
+        **shape,
+        SILU=activation == "silu",
+        num_warps=NUM_WARPS,
+    )
     return KernelLaunch(gated_rms_norm_kernel, grid, args, writes=("y",))
 
 
@@ -94,7 +131,7 @@ def launch_gated_rms_norm(
     x: Tensor, gate: Tensor, weight: Tensor, eps: float, activation: str
 ) -> Tensor:
     """x, gate ``[..., D]``; weight ``[D]`` -> y of x's shape and dtype."""
-    launch = gated_rms_norm_launch(x, gate, weight, eps, activation)
+    launch = gated_rms_norm_launch(x=x, gate=gate, weight=weight, eps=eps, activation=activation)
     launch.run()
     return launch.args["y"]
 
@@ -112,7 +149,17 @@ def launch_gated_rms_norm_backward(
     programs = cdiv(n_rows, shape["ROWS"])
     dweight_parts = torch.empty(programs, shape["D"], device=x.device, dtype=torch.float32)
     gated_rms_norm_backward_kernel[(programs,)](
-        x, gate, weight, grad_y, eps, n_rows, dx, dgate, dweight_parts,
-        **shape, SILU=activation == "silu", num_warps=NUM_WARPS,
-    )  # fmt: skip
+        x=x,
+        gate=gate,
+        weight=weight,
+        grad_y=grad_y,
+        eps=eps,
+        n_rows=n_rows,
+        dx=dx,
+        dgate=dgate,
+        dweight_parts=dweight_parts,
+        **shape,
+        SILU=activation == "silu",
+        num_warps=NUM_WARPS,
+    )
     return dx, dgate, dweight_parts.sum(0).to(weight.dtype)

@@ -85,13 +85,17 @@ class LaunchPlan:
         ones as the value that node returned. Returns the results' final values by name."""
         latest: dict[int, Tensor] = {}  # by id of the planned tensor: its value so far
         for launch in self.launches:
-            args = {name: latest.get(id(value), value) if isinstance(value, Tensor) else value
-                    for name, value in launch.args.items()}  # fmt: skip
+            args = {
+                name: latest.get(id(value), value) if isinstance(value, Tensor) else value
+                for name, value in launch.args.items()
+            }
             written = dataclasses.replace(launch, args=args).functional()
             for name, value in written.items():
                 latest[id(launch.args[name])] = value
-        return {name: None if tensor is None else latest.get(id(tensor), tensor)
-                for name, tensor in self.results.items()}  # fmt: skip
+        return {
+            name: None if tensor is None else latest.get(id(tensor), tensor)
+            for name, tensor in self.results.items()
+        }
 
 
 @functools.cache

@@ -24,16 +24,42 @@ from kda_ops.signature import DeltaRuleInputs, DeltaRuleOptions
 
 @triton.jit
 def recurrent_kda_kernel(
-    q, k, v, g, beta, A_log, dt_bias, state_in, state_indices, cu_seqlens,
-    scale, lower_bound, length, o, state_out, step_states,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-    HAS_STATE_IN: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, STORE_STEP_STATES: tl.constexpr,
-    STATE_IN_V_FIRST: tl.constexpr = False, STATE_OUT_V_FIRST: tl.constexpr = False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    state_in,
+    state_indices,
+    cu_seqlens,
+    scale,
+    lower_bound,
+    length,
+    o,
+    state_out,
+    step_states,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    HAS_STATE_IN: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    STORE_STEP_STATES: tl.constexpr,
+    STATE_IN_V_FIRST: tl.constexpr = False,
+    STATE_OUT_V_FIRST: tl.constexpr = False,
+):
     i_v, i_nh = value_block_program(V, BV)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -60,8 +86,17 @@ def recurrent_kda_kernel(
         in_offsets = v_first_offsets if STATE_IN_V_FIRST else state_offsets
         state = tl.load(state_in + in_offsets, mask=mask_state, other=0.0).to(tl.float32)
 
-    rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K, SCALAR_GATE,
-                                      USE_GATE, HAS_DT_BIAS)  # fmt: skip
+    rate, gate_bias = gate_parameters(
+        A_log=A_log,
+        dt_bias=dt_bias,
+        i_hv=i_hv,
+        offs_k=offs_k,
+        mask_k=mask_k,
+        K=K,
+        SCALAR_GATE=SCALAR_GATE,
+        USE_GATE=USE_GATE,
+        HAS_DT_BIAS=HAS_DT_BIAS,
+    )
 
     for t in range(0, length):
         token = bos + t
@@ -77,7 +112,9 @@ def recurrent_kda_kernel(
         if USE_GATE:
             if HAS_DT_BIAS:
                 b_g = b_g + gate_bias
-            b_g = gate_activation(b_g, rate, lower_bound, USE_LOWER_BOUND)
+            b_g = gate_activation(
+                x=b_g, rate=rate, lower_bound=lower_bound, USE_LOWER_BOUND=USE_LOWER_BOUND
+            )
         if USE_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
@@ -94,9 +131,11 @@ def recurrent_kda_kernel(
         tl.store(o + (token * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if STORE_STEP_STATES:  # [N, T, HV, K, V], padding sequences included
             step = ((i_n.to(tl.int64) * length + t) * HV + i_hv) * K * V
-            tl.store(step_states + step + offs_k[:, None] * V + offs_v[None, :],
-                     state.to(step_states.dtype.element_ty),
-                     mask=mask_k[:, None] & mask_v[None, :])  # fmt: skip
+            tl.store(
+                step_states + step + offs_k[:, None] * V + offs_v[None, :],
+                state.to(step_states.dtype.element_ty),
+                mask=mask_k[:, None] & mask_v[None, :],
+            )
 
     if STORE_FINAL_STATE:
         out_offsets = v_first_offsets if STATE_OUT_V_FIRST else state_offsets
@@ -129,7 +168,8 @@ def recurrent_launch(
     (contiguous ``[B, T, HV, K, V]``, fixed length only). Shapes as in
     ``kda_ops.delta_rule``."""
     q, k, v, g, beta, A_log, dt_bias = inputs.map_tokens(Tensor.contiguous)
-    scale, lower_bound, use_qk_l2norm, use_beta_sigmoid = options
+    scale, lower_bound = options.scale, options.lower_bound
+    use_qk_l2norm, use_beta_sigmoid = options.use_qk_l2norm, options.use_beta_sigmoid
     if state_in is not None and state_in is not state_out and not is_v_first(state_in):
         state_in = state_in.contiguous()
     batch, length, heads, head_k = q.shape
@@ -139,21 +179,45 @@ def recurrent_launch(
     block_v = min(next_power_of_2(head_v), 32 if block_k <= 128 else 16)
     grid = (cdiv(head_v, block_v) * n_seqs * value_heads,)
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, state_in=state_in,
-        state_indices=state_indices, cu_seqlens=cu_seqlens, scale=scale,
-        lower_bound=0.0 if lower_bound is None else lower_bound, length=length,
-        o=torch.empty_like(v), state_out=state_out, step_states=step_states,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-        SCALAR_GATE=g.dim() == 3, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
-        USE_LOWER_BOUND=lower_bound is not None, USE_L2NORM=use_qk_l2norm,
-        USE_BETA_SIGMOID=use_beta_sigmoid, HAS_STATE_IN=state_in is not None,
-        USE_INDICES=state_indices is not None, IS_VARLEN=cu_seqlens is not None,
-        STORE_FINAL_STATE=state_out is not None, STORE_STEP_STATES=step_states is not None,
-        STATE_IN_V_FIRST=is_v_first(state_in), STATE_OUT_V_FIRST=is_v_first(state_out),
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state_in=state_in,
+        state_indices=state_indices,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        lower_bound=0.0 if lower_bound is None else lower_bound,
+        length=length,
+        o=torch.empty_like(v),
+        state_out=state_out,
+        step_states=step_states,
+        H=heads,
+        HV=value_heads,
+        K=head_k,
+        V=head_v,
+        BK=block_k,
+        BV=block_v,
+        SCALAR_GATE=g.dim() == 3,
+        USE_GATE=A_log is not None,
+        HAS_DT_BIAS=dt_bias is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+        USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid,
+        HAS_STATE_IN=state_in is not None,
+        USE_INDICES=state_indices is not None,
+        IS_VARLEN=cu_seqlens is not None,
+        STORE_FINAL_STATE=state_out is not None,
+        STORE_STEP_STATES=step_states is not None,
+        STATE_IN_V_FIRST=is_v_first(state_in),
+        STATE_OUT_V_FIRST=is_v_first(state_out),
         num_warps=4,
-    )  # fmt: skip
+    )
     writes = tuple(name for name in ("o", "state_out", "step_states") if args[name] is not None)
-    return KernelLaunch(recurrent_kda_kernel, grid, args, writes)
+    return KernelLaunch(kernel=recurrent_kda_kernel, grid=grid, args=args, writes=writes)
 
 
 def launch_recurrent_kda(*args: object, **kwargs: object) -> Tensor:

@@ -27,12 +27,20 @@ def token_program(length, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def token_block(cu_seqlens, n_seqs, length, D: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr, BN: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+def token_block(
+    cu_seqlens,
+    n_seqs,
+    length,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
     """This program's tile (:func:`token_program`): its channels and their mask ([BD]),
     and per row ([BT]) the token's global index (int64), sequence id, the sequence's first
     token (int64) and whether the row is a token."""
-    i_t, i_d, i_b = token_program(length, D, BT, BD)
+    i_t, i_d, i_b = token_program(length=length, D=D, BT=BT, BD=BD)
     rows = i_t * BT + tl.arange(0, BT)
     cols = i_d * BD + tl.arange(0, BD)
     if IS_VARLEN:
@@ -57,16 +65,41 @@ def tap_weight(weight, cols, mask_d, tap, W: tl.constexpr):
 
 
 @triton.jit
-def pre_activation(x, state, weight, tokens, position, slots, valid, has_history, cols, mask_d,
-                   D: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
+def pre_activation(
+    x,
+    state,
+    weight,
+    tokens,
+    position,
+    slots,
+    valid,
+    has_history,
+    cols,
+    mask_d,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+):
     """z = Σ_tap w_tap · input(position - (W - 1 - tap)) of the rows ([rows, BD] fp32),
     the inputs as ``window_input`` gives them."""
     z = tl.zeros([position.shape[0], cols.shape[0]], dtype=tl.float32)
     for tap in tl.static_range(W):
         shift = W - 1 - tap
-        b_x = window_input(x, state, tokens - shift, position - shift, slots, valid,
-                           has_history, cols, mask_d, D, W, HAS_STATE)  # fmt: skip
-        z += b_x * tap_weight(weight, cols, mask_d, tap, W)[None, :]
+        b_x = window_input(
+            x=x,
+            state=state,
+            token=tokens - shift,
+            source=position - shift,
+            slot=slots,
+            valid=valid,
+            has_history=has_history,
+            cols=cols,
+            mask_d=mask_d,
+            D=D,
+            W=W,
+            HAS_STATE=HAS_STATE,
+        )
+        z += b_x * tap_weight(weight=weight, cols=cols, mask_d=mask_d, tap=tap, W=W)[None, :]
     return z
 
 
@@ -96,13 +129,21 @@ def state_slot(state_indices, i_n, USE_INDICES: tl.constexpr):
 
 
 @triton.jit
-def head_rows(state_indices, cu_seqlens, length, i_n, W: tl.constexpr, BW: tl.constexpr,
-              USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+def head_rows(
+    state_indices,
+    cu_seqlens,
+    length,
+    i_n,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
     """Sequence i_n's first W - 1 tokens, whose windows reach into the initial state, as
     the rows of a BW-row tile: their tokens, positions and state slots (int64 [BW]),
     whether each is a token, and whether it has a history (slot ``state_indices[i_n]``
     if given; negative: none)."""
-    bos, span = sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
+    bos, span = sequence_extent(cu_seqlens=cu_seqlens, i_n=i_n, length=length, IS_VARLEN=IS_VARLEN)
     slot = state_slot(state_indices, i_n, USE_INDICES)
     position = tl.arange(0, BW).to(tl.int64)
     slots = slot + position * 0
@@ -111,8 +152,20 @@ def head_rows(state_indices, cu_seqlens, length, i_n, W: tl.constexpr, BW: tl.co
 
 
 @triton.jit
-def window_input(x, state, token, source, slot, valid, has_history, cols, mask_d,
-                 D: tl.constexpr, W: tl.constexpr, HAS_STATE: tl.constexpr):  # fmt: skip
+def window_input(
+    x,
+    state,
+    token,
+    source,
+    slot,
+    valid,
+    has_history,
+    cols,
+    mask_d,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+):
     """The input at sequence position ``source`` of each row ([rows, BD] fp32): x's token
     for source >= 0, the state's entry ``W - 1 + source`` before the start where the row
     has a history, else 0."""
@@ -137,8 +190,7 @@ def sequence_extent(cu_seqlens, i_n, length, IS_VARLEN: tl.constexpr):
     return bos, span
 
 
-def token_grid(batch: int, length: int, channels: int, block_t: int,
-               block_d: int) -> tuple[int]:  # fmt: skip
+def token_grid(batch: int, length: int, channels: int, block_t: int, block_d: int) -> tuple[int]:
     """The grid of a token-parallel conv kernel (:func:`token_program`): every (token block,
     channel block, batch row) on one axis. Sizes may be symbolic: a traced graph's, or
     TensorRT's shape expressions (``lowering/tensorrt.py``), hence only ``+ * //`` with the

@@ -35,64 +35,183 @@ from kda_ops.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
-def _write_output(y, z, bias, tokens, rows, cols, mask_d, D: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+def _write_output(
+    y,
+    z,
+    bias,
+    tokens,
+    rows,
+    cols,
+    mask_d,
+    D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
     """y = act(z + bias) of the rows where ``rows`` holds."""
-    z = add_bias(z, bias, cols, mask_d, HAS_BIAS)
+    z = add_bias(z=z, bias=bias, cols=cols, mask_d=mask_d, HAS_BIAS=HAS_BIAS)
     if SILU:
         z = z * fast_sigmoid(z)
-    tl.store(y + tokens[:, None] * D + cols[None, :], z.to(y.dtype.element_ty),
-             mask=rows[:, None] & mask_d[None, :])  # fmt: skip
+    tl.store(
+        y + tokens[:, None] * D + cols[None, :],
+        z.to(y.dtype.element_ty),
+        mask=rows[:, None] & mask_d[None, :],
+    )
 
 
 @triton.jit
 def causal_conv1d_kernel(
-    x, weight, bias, state, state_indices, cu_seqlens, length, n_seqs, y, state_out,
-    D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-    BW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
-    USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, SILU: tl.constexpr,
+    x,
+    weight,
+    bias,
+    state,
+    state_indices,
+    cu_seqlens,
+    length,
+    n_seqs,
+    y,
+    state_out,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    SILU: tl.constexpr,
     FINAL_STATE: tl.constexpr,
-):  # fmt: skip
+):
     """y of a [BT, BD] tile from x alone. With an initial state, a sequence's first W - 1
     tokens (the only ones reading it) are done apart (``head_rows``) by the program
     holding the sequence's first token: the state's strided gather over every tile's rows
     made this kernel spill and load 2 bytes at a time. With ``FINAL_STATE`` (batch rows,
     not packed; ``state_out`` not ``state``) the program of a row's last token block also
     writes its final state, which otherwise ``conv_final_state_kernel`` does."""
-    cols, mask_d, tokens, seq, bos, valid = token_block(cu_seqlens, n_seqs, length, D, BT, BD,
-                                                        BN, IS_VARLEN)  # fmt: skip
+    cols, mask_d, tokens, seq, bos, valid = token_block(
+        cu_seqlens=cu_seqlens,
+        n_seqs=n_seqs,
+        length=length,
+        D=D,
+        BT=BT,
+        BD=BD,
+        BN=BN,
+        IS_VARLEN=IS_VARLEN,
+    )
     position = tokens - bos
-    z = pre_activation(x, state, weight, tokens, position, seq, valid, valid, cols, mask_d, D,
-                       W, False)  # fmt: skip
+    z = pre_activation(
+        x=x,
+        state=state,
+        weight=weight,
+        tokens=tokens,
+        position=position,
+        slots=seq,
+        valid=valid,
+        has_history=valid,
+        cols=cols,
+        mask_d=mask_d,
+        D=D,
+        W=W,
+        HAS_STATE=False,
+    )
     rows = valid
     if HAS_STATE:
         rows = valid & (position >= W - 1)
-    _write_output(y, z, bias, tokens, rows, cols, mask_d, D, HAS_BIAS, SILU)
+    _write_output(
+        y=y,
+        z=z,
+        bias=bias,
+        tokens=tokens,
+        rows=rows,
+        cols=cols,
+        mask_d=mask_d,
+        D=D,
+        HAS_BIAS=HAS_BIAS,
+        SILU=SILU,
+    )
     if HAS_STATE:
-        i_n, last = starting_sequences(seq, position, valid, n_seqs)
+        i_n, last = starting_sequences(seq=seq, position=position, valid=valid, n_seqs=n_seqs)
         while i_n <= last:
             h_tokens, h_position, slots, h_valid, has_history = head_rows(
-                state_indices, cu_seqlens, length, i_n, W, BW, USE_INDICES, IS_VARLEN
+                state_indices=state_indices,
+                cu_seqlens=cu_seqlens,
+                length=length,
+                i_n=i_n,
+                W=W,
+                BW=BW,
+                USE_INDICES=USE_INDICES,
+                IS_VARLEN=IS_VARLEN,
             )
-            h_z = pre_activation(x, state, weight, h_tokens, h_position, slots, h_valid,
-                                 has_history, cols, mask_d, D, W, True)  # fmt: skip
-            _write_output(y, h_z, bias, h_tokens, h_valid, cols, mask_d, D, HAS_BIAS, SILU)
+            h_z = pre_activation(
+                x=x,
+                state=state,
+                weight=weight,
+                tokens=h_tokens,
+                position=h_position,
+                slots=slots,
+                valid=h_valid,
+                has_history=has_history,
+                cols=cols,
+                mask_d=mask_d,
+                D=D,
+                W=W,
+                HAS_STATE=True,
+            )
+            _write_output(
+                y=y,
+                z=h_z,
+                bias=bias,
+                tokens=h_tokens,
+                rows=h_valid,
+                cols=cols,
+                mask_d=mask_d,
+                D=D,
+                HAS_BIAS=HAS_BIAS,
+                SILU=SILU,
+            )
             i_n += 1
     if FINAL_STATE:
-        i_t, _, i_b = token_program(length, D, BT, BD)
+        i_t, _, i_b = token_program(length=length, D=D, BT=BT, BD=BD)
         if i_t == tl.cdiv(length, BT) - 1:  # the batch row's last token block
-            _write_final_state(x, state, state_indices, cu_seqlens, length, state_out, i_b,
-                               cols, D, W, BW, HAS_STATE, USE_INDICES, False)  # fmt: skip
+            _write_final_state(
+                x=x,
+                state_in=state,
+                state_indices=state_indices,
+                cu_seqlens=cu_seqlens,
+                length=length,
+                state_out=state_out,
+                i_n=i_b,
+                cols=cols,
+                D=D,
+                W=W,
+                BW=BW,
+                HAS_STATE=HAS_STATE,
+                USE_INDICES=USE_INDICES,
+                IS_VARLEN=False,
+            )
 
 
 @triton.jit
-def _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n, cols,
-                       D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                       HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):  # fmt: skip
+def _write_final_state(
+    x,
+    state_in,
+    state_indices,
+    cu_seqlens,
+    length,
+    state_out,
+    i_n,
+    cols,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
     """Sequence i_n's final state for the channels ``cols``: its last W - 1 inputs, those
     before its start taken from its initial state (zeros without one)."""
-    bos, span = sequence_extent(cu_seqlens, i_n, length, IS_VARLEN)
+    bos, span = sequence_extent(cu_seqlens=cu_seqlens, i_n=i_n, length=length, IS_VARLEN=IS_VARLEN)
     entries = tl.arange(0, BW)
     source = span - (W - 1) + entries  # position of the input each entry keeps
     mask = (cols < D)[:, None] & (entries < W - 1)[None, :]
@@ -109,20 +228,46 @@ def _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out
             state_in + state_offsets + (W - 1 + source)[None, :], mask=in_state, other=0.0
         )
         b_state += old.to(tl.float32)
-    tl.store(state_out + state_offsets + entries[None, :],
-             b_state.to(state_out.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(
+        state_out + state_offsets + entries[None, :],
+        b_state.to(state_out.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
 def conv_final_state_kernel(
-    x, state_in, state_indices, cu_seqlens, length, state_out,
-    D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-    HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
+    x,
+    state_in,
+    state_indices,
+    cu_seqlens,
+    length,
+    state_out,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    BD: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
     i_n, i_d = tl.program_id(0), tl.program_id(1)
-    _write_final_state(x, state_in, state_indices, cu_seqlens, length, state_out, i_n,
-                       i_d * BD + tl.arange(0, BD), D, W, BW, HAS_STATE, USE_INDICES,
-                       IS_VARLEN)  # fmt: skip
+    _write_final_state(
+        x=x,
+        state_in=state_in,
+        state_indices=state_indices,
+        cu_seqlens=cu_seqlens,
+        length=length,
+        state_out=state_out,
+        i_n=i_n,
+        cols=i_d * BD + tl.arange(0, BD),
+        D=D,
+        W=W,
+        BW=BW,
+        HAS_STATE=HAS_STATE,
+        USE_INDICES=USE_INDICES,
+        IS_VARLEN=IS_VARLEN,
+    )
 
 
 # Token rows of a program's tile (4 warps, 128 channels): 32, where 64 rows take more
@@ -151,16 +296,40 @@ def launch_causal_conv1d(
             state_in = state_in.contiguous()
         else:
             dense = state_in.contiguous()
-            y = launch_causal_conv1d(x, weight, bias, dense, dense, state_indices, cu_seqlens,
-                                     activation)  # fmt: skip
+            y = launch_causal_conv1d(
+                x=x,
+                weight=weight,
+                bias=bias,
+                state_in=dense,
+                state_out=dense,
+                state_indices=state_indices,
+                cu_seqlens=cu_seqlens,
+                activation=activation,
+            )
             state_out.copy_(dense)
             return y
     if x.shape[1] == 1 and cu_seqlens is None:
-        step = step_launch(x, weight, bias, state_in, state_out, state_indices, activation)
+        step = step_launch(
+            x=x,
+            weight=weight,
+            bias=bias,
+            state_in=state_in,
+            state_out=state_out,
+            state_indices=state_indices,
+            activation=activation,
+        )
         step.run()
         return step.args["y"]
-    return prefill_plan(x, weight, bias, state_in, state_out, state_indices, cu_seqlens,
-                        activation).run()["y"]  # fmt: skip
+    return prefill_plan(
+        x=x,
+        weight=weight,
+        bias=bias,
+        state_in=state_in,
+        state_out=state_out,
+        state_indices=state_indices,
+        cu_seqlens=cu_seqlens,
+        activation=activation,
+    ).run()["y"]
 
 
 def prefill_plan(
@@ -187,9 +356,14 @@ def prefill_plan(
     y = torch.empty_like(x)
     planned_length = length if isinstance(length, int) else PREFILL_ROWS
     block_t, block_d = tile_sizes(PREFILL_ROWS, planned_length, channels)
-    grid = token_grid(batch, length, channels, block_t, block_d)
-    flags = dict(HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None,
-                 IS_VARLEN=cu_seqlens is not None)  # fmt: skip
+    grid = token_grid(
+        batch=batch, length=length, channels=channels, block_t=block_t, block_d=block_d
+    )
+    flags = dict(
+        HAS_STATE=state_in is not None,
+        USE_INDICES=state_indices is not None,
+        IS_VARLEN=cu_seqlens is not None,
+    )
     kept = next_power_of_2(width - 1)
     # Rows of a batch end in their last token block, whose program can write the final
     # state, unless the state is rewritten in place (other programs still read it) or
@@ -201,20 +375,55 @@ def prefill_plan(
         and state_out is not state_in
         and (not isinstance(length, int) or length > 0)
     )
-    output = KernelLaunch(causal_conv1d_kernel, grid, dict(
-        x=x, weight=weight, bias=bias, state=state_in, state_indices=state_indices,
-        cu_seqlens=cu_seqlens, length=length, n_seqs=n_seqs, y=y, state_out=state_out,
-        D=channels, W=width, BT=block_t, BD=block_d,
-        # Only packed sequences search their sequence among BN.
-        BN=1 if cu_seqlens is None else next_power_of_2(n_seqs), BW=kept,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", FINAL_STATE=fused, **flags,
-    ), ("y", "state_out") if fused else ("y",))  # fmt: skip
+    output = KernelLaunch(
+        kernel=causal_conv1d_kernel,
+        grid=grid,
+        args=dict(
+            x=x,
+            weight=weight,
+            bias=bias,
+            state=state_in,
+            state_indices=state_indices,
+            cu_seqlens=cu_seqlens,
+            length=length,
+            n_seqs=n_seqs,
+            y=y,
+            state_out=state_out,
+            D=channels,
+            W=width,
+            BT=block_t,
+            BD=block_d,
+            # Only packed sequences search their sequence among BN.
+            BN=1 if cu_seqlens is None else next_power_of_2(n_seqs),
+            BW=kept,
+            HAS_BIAS=bias is not None,
+            SILU=activation == "silu",
+            FINAL_STATE=fused,
+            **flags,
+        ),
+        writes=("y", "state_out") if fused else ("y",),
+    )
     launches = [output]
     if not fused:
         grid = (n_seqs, cdiv(channels, block_d))
-        launches.append(KernelLaunch(conv_final_state_kernel, grid, dict(
-            x=x, state_in=state_in, state_indices=state_indices, cu_seqlens=cu_seqlens,
-            length=length, state_out=state_out, D=channels, W=width, BD=block_d, BW=kept,
-            **flags,
-        ), ("state_out",)))  # fmt: skip
+        launches.append(
+            KernelLaunch(
+                kernel=conv_final_state_kernel,
+                grid=grid,
+                args=dict(
+                    x=x,
+                    state_in=state_in,
+                    state_indices=state_indices,
+                    cu_seqlens=cu_seqlens,
+                    length=length,
+                    state_out=state_out,
+                    D=channels,
+                    W=width,
+                    BD=block_d,
+                    BW=kept,
+                    **flags,
+                ),
+                writes=("state_out",),
+            )
+        )
     return LaunchPlan(tuple(launches), {"y": y, "state_out": state_out})

@@ -21,11 +21,23 @@ from kda_ops.kernels.sizes import cdiv, next_power_of_2, processors
 
 @triton.jit
 def conv_step_kernel(
-    x, weight, bias, state_in, state_indices, y, state_out,
-    D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
+    x,
+    weight,
+    bias,
+    state_in,
+    state_indices,
+    y,
+    state_out,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    S: tl.constexpr,
+    BD: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
-):  # fmt: skip
+):
     """One token per sequence, a state of S >= W - 1 kept inputs (W - 1 in kda's layout, W
     in transformers' and Mamba's): the row is the S kept inputs, then x, and the window
     its last W entries. Reads the state once, writes y and the row's last S entries as the
@@ -41,15 +53,17 @@ def conv_step_kernel(
     row = tl.zeros([BD, BW], dtype=tl.float32)
     if HAS_STATE:
         kept = mask_slot[:, None] & (taps < S)[None, :]
-        row = tl.load(state_in + slot_base + slot_offsets + taps[None, :], mask=kept,
-                      other=0.0)  # fmt: skip
+        row = tl.load(state_in + slot_base + slot_offsets + taps[None, :], mask=kept, other=0.0)
         row = row.to(tl.float32)
     b_x = tl.load(x + i_n.to(tl.int64) * D + cols, mask=mask_d, other=0.0).to(tl.float32)
     row = tl.where(taps[None, :] == S, b_x[:, None], row)
     first = S + 1 - W  # the row's entry under tap 0
     in_window = (taps >= first) & (taps <= S)
-    b_w = tl.load(weight + cols[:, None] * W + (taps - first)[None, :],
-                  mask=mask_d[:, None] & in_window[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    b_w = tl.load(
+        weight + cols[:, None] * W + (taps - first)[None, :],
+        mask=mask_d[:, None] & in_window[None, :],
+        other=0.0,
+    ).to(tl.float32)
     acc = tl.sum(row * b_w, axis=1)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=mask_d, other=0.0).to(tl.float32)
@@ -57,8 +71,11 @@ def conv_step_kernel(
         acc = acc * fast_sigmoid(acc)
     tl.store(y + i_n.to(tl.int64) * D + cols, acc.to(y.dtype.element_ty), mask=mask_d)
     shifted = mask_slot[:, None] & ((taps >= 1) & (taps <= S))[None, :]
-    tl.store(state_out + slot_base + slot_offsets + (taps - 1)[None, :],
-             row.to(state_out.dtype.element_ty), mask=shifted)  # fmt: skip
+    tl.store(
+        state_out + slot_base + slot_offsets + (taps - 1)[None, :],
+        row.to(state_out.dtype.element_ty),
+        mask=shifted,
+    )
 
 
 @triton.jit
@@ -128,11 +145,22 @@ def _taps_of(w0, w1, w2, w3):
 
 @triton.jit
 def conv_step_w4_kernel(
-    x, weight, bias, state_in, state_indices, y, state_out, batch,
-    D: tl.constexpr, BG: tl.constexpr, NB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, USE_INDICES: tl.constexpr,
+    x,
+    weight,
+    bias,
+    state_in,
+    state_indices,
+    y,
+    state_out,
+    batch,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    NB: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
-):  # fmt: skip
+):
     """:func:`conv_step_kernel` for W = 4 and D % 8 == 0, moving only 16-byte vectors.
 
     A thread owns groups of 8 channels: their 24 state values are 3 aligned 16-byte
@@ -151,10 +179,10 @@ def conv_step_w4_kernel(
     # Four [BG, 8] loads, not one [BG, 32]: that one would spread a row over 4 threads.
     rows = weight + groups[:, None] * 32 + lanes[None, :]
     taps = _taps_of(
-        tl.load(rows, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
-        tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
+        w0=tl.load(rows, mask=mask, other=0.0).to(tl.float32),
+        w1=tl.load(rows + 8, mask=mask, other=0.0).to(tl.float32),
+        w2=tl.load(rows + 16, mask=mask, other=0.0).to(tl.float32),
+        w3=tl.load(rows + 24, mask=mask, other=0.0).to(tl.float32),
     )
     b_bias = tl.zeros([BG, 8], dtype=tl.float32)
     if HAS_BIAS:
@@ -162,14 +190,47 @@ def conv_step_w4_kernel(
     for i_s in tl.static_range(NB):
         i_n = i_p * NB + i_s
         if i_n < batch:
-            _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask,
-                     taps, b_bias, D, BG, HAS_STATE, USE_INDICES, SILU)  # fmt: skip
+            _step_w4(
+                x=x,
+                state_in=state_in,
+                state_indices=state_indices,
+                y=y,
+                state_out=state_out,
+                i_n=i_n,
+                groups=groups,
+                lanes=lanes,
+                cols=cols,
+                mask=mask,
+                taps=taps,
+                b_bias=b_bias,
+                D=D,
+                BG=BG,
+                HAS_STATE=HAS_STATE,
+                USE_INDICES=USE_INDICES,
+                SILU=SILU,
+            )
 
 
 @triton.jit
-def _step_w4(x, state_in, state_indices, y, state_out, i_n, groups, lanes, cols, mask, taps,
-             b_bias, D: tl.constexpr, BG: tl.constexpr, HAS_STATE: tl.constexpr,
-             USE_INDICES: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+def _step_w4(
+    x,
+    state_in,
+    state_indices,
+    y,
+    state_out,
+    i_n,
+    groups,
+    lanes,
+    cols,
+    mask,
+    taps,
+    b_bias,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+    SILU: tl.constexpr,
+):
     """Sequence i_n's step in :func:`conv_step_w4_kernel`, the taps regrouped per entry
     (:func:`_taps_of`) and the bias given."""
     values = groups[:, None] * 24 + lanes[None, :]  # the first of the group's 3 vectors
@@ -225,21 +286,36 @@ def step_launch(
     x, weight = x.contiguous(), weight.contiguous()
     batch, _, channels = x.shape
     width, kept = weight.shape[1], state_out.shape[-1]
-    args = dict(x=x, weight=weight, bias=bias, state_in=state_in, state_indices=state_indices,
-                y=torch.empty_like(x), state_out=state_out, D=channels, HAS_BIAS=bias is not None,
-                HAS_STATE=state_in is not None, USE_INDICES=state_indices is not None,
-                SILU=activation == "silu")  # fmt: skip
+    args = dict(
+        x=x,
+        weight=weight,
+        bias=bias,
+        state_in=state_in,
+        state_indices=state_indices,
+        y=torch.empty_like(x),
+        state_out=state_out,
+        D=channels,
+        HAS_BIAS=bias is not None,
+        HAS_STATE=state_in is not None,
+        USE_INDICES=state_indices is not None,
+        SILU=activation == "silu",
+    )
     writes = ("y", "state_out")
     if width == 4 and channels % 8 == 0 and kept == width - 1:
         # A thread per 8 channels, up to 128 threads (1024 channels) a program.
         groups = min(128, next_power_of_2(channels // 8))
         programs = cdiv(channels // 8, groups) * batch
         # A symbolic batch (a graph traced for any batch) keeps a sequence a program.
-        per_program = (step_sequences_per_program(programs, processors(x.device))
-                       if isinstance(batch, int) else 1)  # fmt: skip
+        per_program = (
+            step_sequences_per_program(programs, processors(x.device))
+            if isinstance(batch, int)
+            else 1
+        )
         grid = (cdiv(channels // 8, groups) * cdiv(batch, per_program),)
         args.update(batch=batch, BG=groups, NB=per_program, num_warps=max(1, min(4, groups // 32)))
-        return KernelLaunch(conv_step_w4_kernel, grid, args, writes)
+        return KernelLaunch(kernel=conv_step_w4_kernel, grid=grid, args=args, writes=writes)
     block_d = min(512, next_power_of_2(channels))
     args.update(W=width, S=kept, BD=block_d, BW=next_power_of_2(kept + 1))
-    return KernelLaunch(conv_step_kernel, (cdiv(channels, block_d) * batch,), args, writes)
+    return KernelLaunch(
+        kernel=conv_step_kernel, grid=(cdiv(channels, block_d) * batch,), args=args, writes=writes
+    )
