@@ -43,9 +43,11 @@ GDN_CHUNK_SIZES = (16, 32, 64)
 
 
 def fused_gdn_gate(
-    g: Tensor, A_log: Tensor, dt_bias: Optional[Tensor] = None,
+    g: Tensor,
+    A_log: Tensor,
+    dt_bias: Optional[Tensor] = None,
     output_dtype: torch.dtype = torch.float32,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """``fla.ops.gated_delta_rule.gate.fused_gdn_gate``: g ``[..., HV]`` → the log-decay
     ``-exp(A_log) · softplus(g + dt_bias)`` (``kda::gate`` with one channel per head)."""
     gate = kda_ops.kda_gate(g.unsqueeze(-1), A_log, dt_bias, output_dtype=output_dtype)
@@ -53,41 +55,77 @@ def fused_gdn_gate(
 
 
 def fused_kda_gate(
-    g: Tensor, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-    lower_bound: Optional[float] = None, output_dtype: torch.dtype = torch.float32,
-) -> Tensor:  # fmt: skip
+    g: Tensor,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    lower_bound: Optional[float] = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """``fla.ops.kda.gate.fused_kda_gate``: :func:`kda_ops.kda_gate` with FLA's float32
     default output."""
-    return kda_ops.kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=output_dtype)
+    return kda_ops.kda_gate(
+        g=g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, output_dtype=output_dtype
+    )
 
 
 def chunk_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False, state_v_first: bool = False,
-    cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
-    chunk_indices: Optional[Tensor] = None, cp_context: None = None, *,
-    use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None, chunk_size: int = 64,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+    chunk_indices: Optional[Tensor] = None,
+    cp_context: None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    chunk_size: int = 64,
     transpose_state_layout: Optional[bool] = None,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+) -> tuple[Tensor, Optional[Tensor]]:
     """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` on ``kda::chunk``: g ``[B, T, HV]``
     (raw with ``use_gate_in_kernel``, then ``A_log`` / ``dt_bias`` are ``[HV]``);
     ``chunk_indices`` is FLA's precomputed chunk list, not needed here."""
     check = ArgumentChecker("chunk_gated_delta_rule")
-    arguments.chunk_size(check, chunk_size, False, GDN_CHUNK_SIZES, "Gated Delta Rule")
+    arguments.chunk_size(
+        check=check,
+        size=chunk_size,
+        return_intermediate_states=False,
+        allowed=GDN_CHUNK_SIZES,
+        family="Gated Delta Rule",
+    )
     if use_gate_in_kernel and A_log is None:
         check.fail(ValueError, "`use_gate_in_kernel=True` needs `A_log` of shape (HV,)")
     return kda_ops.chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        cp_context=cp_context, A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        cp_context=cp_context,
+        A_log=A_log,
+        dt_bias=dt_bias,
         transpose_state_layout=transpose_state_layout,
-    )  # fmt: skip
+    )
 
 
 def _recurrent_gdn_gate(g: Optional[Tensor], gk: Optional[Tensor], v: Tensor) -> Tensor:
@@ -100,15 +138,27 @@ def _recurrent_gdn_gate(g: Optional[Tensor], gk: Optional[Tensor], v: Tensor) ->
 
 
 def fused_recurrent_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, gk: Optional[Tensor] = None,
-    gv: Optional[Tensor] = None, beta: Optional[Tensor] = None, scale: Optional[float] = None,
-    initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-    A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-    state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None, *,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Optional[Tensor] = None,
+    gk: Optional[Tensor] = None,
+    gv: Optional[Tensor] = None,
+    beta: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    *,
     transpose_state_layout: Optional[bool] = None,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+) -> tuple[Tensor, Optional[Tensor]]:
     """``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` on ``kda::recurrent``.
     beta ``None`` means 1 (plain delta rule)."""
     check = ArgumentChecker("fused_recurrent_gated_delta_rule")
@@ -118,26 +168,49 @@ def fused_recurrent_gated_delta_rule(
         check.fail(ValueError, "`use_gate_in_kernel` with `gk`")
     beta = v.new_ones(v.shape[:3]) if beta is None else beta
     return kda_ops.fused_recurrent_kda(
-        q, k, v, _recurrent_gdn_gate(g, gk, v), beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q=q,
+        k=k,
+        v=v,
+        g=_recurrent_gdn_gate(g, gk, v),
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
         transpose_state_layout=transpose_state_layout,
-    )  # fmt: skip
+    )
 
 
 def fused_recurrent_kda_fwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
-    scale: Optional[float] = None, output_final_state: bool = False,
-    inplace_final_state: bool = True, state_v_first: bool = False,
-    cu_seqlens: Optional[Tensor] = None, ssm_state_indices: Optional[Tensor] = None,
-    num_accepted_tokens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False, lower_bound: Optional[float] = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    ssm_state_indices: Optional[Tensor] = None,
+    num_accepted_tokens: Optional[Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: Optional[float] = None,
     out: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+) -> tuple[Tensor, Optional[Tensor]]:
     """``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``, vLLM's decode call.
 
     Without ``ssm_state_indices`` it is :func:`kda_ops.fused_recurrent_kda` (with
@@ -158,34 +231,64 @@ def fused_recurrent_kda_fwd(
     """
     check = ArgumentChecker("fused_recurrent_kda_fwd")
     options = dict(
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, cu_seqlens=cu_seqlens, scale=scale, A_log=A_log,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        A_log=A_log,
         dt_bias=dt_bias,
-    )  # fmt: skip
+    )
     if inplace_final_state and initial_state is None:
         check.fail(ValueError, "`inplace_final_state=True` needs `initial_state` (the pool)")
     if ssm_state_indices is None:
         o, final = kda_ops.fused_recurrent_kda(
-            q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first,
-            output_final_state=output_final_state or inplace_final_state, **options,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            initial_state=initial_state,
+            state_v_first=state_v_first,
+            output_final_state=output_final_state or inplace_final_state,
+            **options,
+        )
         if inplace_final_state:
             initial_state.copy_(final)
             final = initial_state
         return _into(out, o), final
-    indices = check.tensor("ssm_state_indices", ssm_state_indices, dims=(1, 2),
-                           dtypes=INDEX_DTYPES)  # fmt: skip
+    indices = check.tensor("ssm_state_indices", ssm_state_indices, dims=(1, 2), dtypes=INDEX_DTYPES)
     if initial_state is None:
         check.fail(ValueError, "`ssm_state_indices` needs `initial_state` (the pool)")
     if indices.dim() == 1 and num_accepted_tokens is None and inplace_final_state:
         o = kda_ops.fused_recurrent_kda_inplace(
-            q, k, v, g, beta, initial_state, indices, state_v_first=state_v_first, **options
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            state_pool=initial_state,
+            state_indices=indices,
+            state_v_first=state_v_first,
+            **options,
         )
         return _into(out, o), initial_state
-    o, states = _per_token_slots(check, q, k, v, g, beta, initial_state, indices,
-                                 num_accepted_tokens, inplace_final_state, state_v_first,
-                                 options)  # fmt: skip
+    o, states = _per_token_slots(
+        check=check,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        pool=initial_state,
+        indices=indices,
+        num_accepted_tokens=num_accepted_tokens,
+        inplace=inplace_final_state,
+        state_v_first=state_v_first,
+        options=options,
+    )
     return _into(out, o), states
 
 
@@ -197,10 +300,19 @@ def _into(out: Optional[Tensor], o: Tensor) -> Tensor:
 
 
 def _per_token_slots(
-    check: ArgumentChecker, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    pool: Tensor, indices: Tensor, num_accepted_tokens: Optional[Tensor], inplace: bool,
-    state_v_first: bool, options: dict[str, Any],
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    check: ArgumentChecker,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    pool: Tensor,
+    indices: Tensor,
+    num_accepted_tokens: Optional[Tensor],
+    inplace: bool,
+    state_v_first: bool,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor]:
     """FLA's continuous-batching decode with a state kept after every token: one
     single-token recurrent step per position (``indices.shape[1]`` of them, or T for
     ``[N]`` indices), the states carried between steps."""
@@ -231,9 +343,17 @@ def _per_token_slots(
     for t in range(steps):
         live = t < lengths
         rows = (starts + t).clamp(max=flat[0].shape[0] - 1)
-        token = [x[rows].unsqueeze(1) for x in flat]
-        o_t, after = kda_ops.fused_recurrent_kda(*token, initial_state=state,
-                                                 output_final_state=True, **options)  # fmt: skip
+        q_t, k_t, v_t, g_t, beta_t = (x[rows].unsqueeze(1) for x in flat)
+        o_t, after = kda_ops.fused_recurrent_kda(
+            q=q_t,
+            k=k_t,
+            v=v_t,
+            g=g_t,
+            beta=beta_t,
+            initial_state=state,
+            output_final_state=True,
+            **options,
+        )
         state = torch.where(live.view(-1, 1, 1, 1), after, state)
         o[rows[live]] = o_t[live, 0]
         if inplace:
@@ -246,31 +366,49 @@ def _per_token_slots(
 
 
 def fused_rms_norm_gated_forward(
-    self: torch.nn.Module, x: Tensor, g: Tensor, residual: Optional[Tensor] = None,
-    prenorm: bool = False, residual_in_fp32: bool = False,
-) -> Tensor:  # fmt: skip
+    self: torch.nn.Module,
+    x: Tensor,
+    g: Tensor,
+    residual: Optional[Tensor] = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+) -> Tensor:
     """``FusedRMSNormGated.forward``: ``rmsnorm(x)·weight·act(g)`` over the last dim."""
     if residual is not None or prenorm:
         raise ValueError("FusedRMSNormGated: `residual` / `prenorm` are not supported by kda_ops")
     weight = self.weight if self.weight is not None else x.new_ones(x.shape[-1])
-    return kda_ops.gated_rms_norm(x, g, weight, self.eps, self.activation)
+    return kda_ops.gated_rms_norm(
+        x=x, gate=g, weight=weight, eps=self.eps, activation=self.activation
+    )
 
 
-def _short_conv_step(module: torch.nn.Module, x: Tensor, cache: Optional[Tensor],
-                     weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _short_conv_step(
+    module: torch.nn.Module, x: Tensor, cache: Optional[Tensor], weight: Tensor
+) -> tuple[Tensor, Tensor]:
     """One token per sequence (x ``[N, 1, D]``): FLA updates ``cache [N, D, W]`` in place."""
     if cache is None:
         cache = x.new_zeros(x.shape[0], x.shape[2], weight.shape[1])
-    y, _ = kda_ops.causal_conv1d(x, weight, module.bias, cache[..., 1:], module.activation)
+    y, _ = kda_ops.causal_conv1d(
+        x=x,
+        weight=weight,
+        bias=module.bias,
+        initial_state=cache[..., 1:],
+        activation=module.activation,
+    )
     cache.copy_(torch.cat([cache[..., 1:], x.transpose(1, 2).to(cache.dtype)], dim=-1))
     return y, cache
 
 
 def short_convolution_forward(
-    self: torch.nn.Module, x: Tensor, residual: Optional[Tensor] = None,
-    mask: Optional[Tensor] = None, cache: Optional[Tensor] = None,
-    output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None, **kwargs: Any,
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+    self: torch.nn.Module,
+    x: Tensor,
+    residual: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    cache: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Optional[Tensor]]:
     """``ShortConvolution.forward``: x ``[B, T, D]`` → ``(y [B, T, D], cache [N, D, W] or
     None)``; FLA's semantics for mask (zeroes padded inputs), residual (added after the
     activation) and cache (initial and final states hold the last W inputs)."""
@@ -281,13 +419,20 @@ def short_convolution_forward(
     weight = self.weight.squeeze(1)
     batch, length = x.shape[:2]
     if not torch.is_grad_enabled() and cu_seqlens is None and length == 1:
-        y, cache = _short_conv_step(self, x, cache, weight)
+        y, cache = _short_conv_step(module=self, x=x, cache=cache, weight=weight)
         final = cache
     else:
         if output_final_state and cu_seqlens is not None:
             raise ValueError("ShortConvolution: varlen final states are not supported by kda_ops")
         history = None if cache is None else cache[..., 1:]
-        y, _ = kda_ops.causal_conv1d(x, weight, self.bias, history, self.activation, cu_seqlens)
+        y, _ = kda_ops.causal_conv1d(
+            x=x,
+            weight=weight,
+            bias=self.bias,
+            initial_state=history,
+            activation=self.activation,
+            cu_seqlens=cu_seqlens,
+        )
         final = None
         if output_final_state:
             prior = x.new_zeros(batch, x.shape[2], weight.shape[1]) if cache is None else cache
