@@ -136,7 +136,14 @@ def _causal_conv1d(
     activation: str,
 ) -> tuple[Tensor, Tensor]:
     _fixed_length("kda.causal_conv1d", cu_seqlens)
-    return reference.causal_conv1d(x, weight, bias, initial_state, None, activation)
+    return reference.causal_conv1d(
+        x=x,
+        weight=weight,
+        bias=bias,
+        initial_state=initial_state,
+        cu_seqlens=None,
+        activation=activation,
+    )
 
 
 def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:

@@ -75,9 +75,13 @@ def delta_rule_scan(
 
     @graph()
     def step(
-        s: FLOAT[...], q_t: FLOAT[...], k_t: FLOAT[...], v_t: FLOAT[...],
-        g_t: FLOAT[...], beta_t: FLOAT[...],
-    ):  # fmt: skip
+        s: FLOAT[...],
+        q_t: FLOAT[...],
+        k_t: FLOAT[...],
+        v_t: FLOAT[...],
+        g_t: FLOAT[...],
+        beta_t: FLOAT[...],
+    ):
         decayed = s * op.Unsqueeze(op.Exp(g_t), [-1])
         k_col = op.Unsqueeze(k_t, [-1])
         v_hat = op.ReduceSum(k_col * decayed, [-2], keepdims=0)
@@ -87,17 +91,31 @@ def delta_rule_scan(
         return written, o_t
 
     final, o = op.Scan(
-        state, q, k, v, g, beta, body=step, num_scan_inputs=5,
-        scan_input_axes=[1, 1, 1, 1, 1], scan_output_axes=[1],
-    )  # fmt: skip
+        state,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        body=step,
+        num_scan_inputs=5,
+        scan_input_axes=[1, 1, 1, 1, 1],
+        scan_output_axes=[1],
+    )
     return final, o
 
 
 @script()
 def packed_delta_rule_scan(
-    bank: FLOAT, q: FLOAT, k: FLOAT, v: FLOAT, g: FLOAT, beta: FLOAT, seq_ids: INT64,
+    bank: FLOAT,
+    q: FLOAT,
+    k: FLOAT,
+    v: FLOAT,
+    g: FLOAT,
+    beta: FLOAT,
+    seq_ids: INT64,
     starts: BOOL,
-) -> tuple[FLOAT, FLOAT]:  # fmt: skip
+) -> tuple[FLOAT, FLOAT]:
     """Token recurrence over packed sequences (B = 1). bank ``[N, HV, K, V]``: each
     sequence's initial state, returned holding its final state; q, k, v, g, beta as in
     :func:`delta_rule_scan`; seq_ids ``[T]`` each token's sequence, starts ``[T]`` whether
@@ -109,9 +127,16 @@ def packed_delta_rule_scan(
 
     @graph()
     def step(
-        s: FLOAT[...], states: FLOAT[...], q_t: FLOAT[...], k_t: FLOAT[...], v_t: FLOAT[...],
-        g_t: FLOAT[...], beta_t: FLOAT[...], seq_t: INT64, start_t: BOOL,
-    ):  # fmt: skip
+        s: FLOAT[...],
+        states: FLOAT[...],
+        q_t: FLOAT[...],
+        k_t: FLOAT[...],
+        v_t: FLOAT[...],
+        g_t: FLOAT[...],
+        beta_t: FLOAT[...],
+        seq_t: INT64,
+        start_t: BOOL,
+    ):
         slot = op.Unsqueeze(seq_t, [0])
         s = op.Where(start_t, op.Gather(states, slot, axis=0), s)
         decayed = s * op.Unsqueeze(op.Exp(g_t), [-1])
@@ -125,9 +150,20 @@ def packed_delta_rule_scan(
 
     first = op.Gather(bank, op.Constant(value_ints=[0]), axis=0)  # replaced at token 0
     _, bank, o = op.Scan(
-        first, bank, q, k, v, g, beta, seq_ids, starts, body=step, num_scan_inputs=7,
-        scan_input_axes=[1, 1, 1, 1, 1, 0, 0], scan_output_axes=[1],
-    )  # fmt: skip
+        first,
+        bank,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seq_ids,
+        starts,
+        body=step,
+        num_scan_inputs=7,
+        scan_input_axes=[1, 1, 1, 1, 1, 0, 0],
+        scan_output_axes=[1],
+    )
     return bank, o
 
 
@@ -148,15 +184,16 @@ def _token_sequences(cu_seqlens: Value, tokens_of: Value) -> tuple[Value, Value,
     its sequence's first token, whether it is that first token); int64 / bool ``[T]``."""
     bounds = op.Cast(cu_seqlens, to=onnx.TensorProto.INT64)
     length = op.Shape(tokens_of, start=1, end=2)
-    positions = op.Range(
-        op.Constant(value_int=0), op.Squeeze(length), op.Constant(value_int=1)
-    )  # fmt: skip
+    positions = op.Range(op.Constant(value_int=0), op.Squeeze(length), op.Constant(value_int=1))
     ends = op.Slice(bounds, [1], [INT64_MAX], [0])
     seq_ids = op.ReduceSum(
-        op.Cast(op.LessOrEqual(op.Unsqueeze(ends, [0]), op.Unsqueeze(positions, [1])),
-                to=onnx.TensorProto.INT64),
-        [1], keepdims=0,
-    )  # fmt: skip
+        op.Cast(
+            op.LessOrEqual(op.Unsqueeze(ends, [0]), op.Unsqueeze(positions, [1])),
+            to=onnx.TensorProto.INT64,
+        ),
+        [1],
+        keepdims=0,
+    )
     first = op.Gather(bounds, seq_ids, axis=0)
     return seq_ids, first, op.Equal(positions, first)
 
@@ -186,9 +223,13 @@ def _softplus(x: Value) -> Value:
 
 
 def _log_decay(
-    g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float],
-    heads: int, channels: int,
-) -> Value:  # fmt: skip
+    g: Value,
+    A_log: Value,
+    dt_bias: Optional[Value],
+    lower_bound: Optional[float],
+    heads: int,
+    channels: int,
+) -> Value:
     """The KDA gate on g ``[..., heads, channels]`` (float32), like ``reference.kda_gate``."""
     x = _f32(g)
     if dt_bias is not None:
@@ -209,10 +250,20 @@ def _repeat_heads(x: Value, heads: int, group: int, channels: int) -> Value:
 
 
 def prepare_delta_rule(
-    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
-    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
-    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-) -> tuple[Value, Value, Value, Value, Value, Value]:  # fmt: skip
+    q: Value,
+    k: Value,
+    v: Value,
+    g: Value,
+    beta: Value,
+    A_log: Optional[Value],
+    dt_bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Value, Value, Value, Value, Value, Value]:
     """The in-kernel options applied, like ``reference.prepare_delta_rule_inputs``: float32
     q (scaled) and k ``[B, T, HV, K]``, v ``[B, T, HV, V]``, log-decay ``[B, T, HV, K]``
     (``[B, T, HV, 1]`` for Gated DeltaNet), beta ``[B, T, HV]`` and the initial state
@@ -227,14 +278,21 @@ def prepare_delta_rule(
     if A_log is None:
         log_decay = _f32(g)
     else:
-        log_decay = _log_decay(g, A_log, dt_bias, lower_bound, value_heads, gate_width)
+        log_decay = _log_decay(
+            g=g,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            lower_bound=lower_bound,
+            heads=value_heads,
+            channels=gate_width,
+        )
     if use_beta_sigmoid:
         beta_f = op.Sigmoid(beta_f)
     group = value_heads // heads
-    qf = _repeat_heads(qf, heads, group, head_k)
+    qf = _repeat_heads(x=qf, heads=heads, group=group, channels=head_k)
     if not use_qk_l2norm:
         qf = qf * op.Constant(value_float=scale)
-    kf = _repeat_heads(kf, heads, group, head_k)
+    kf = _repeat_heads(x=kf, heads=heads, group=group, channels=head_k)
     if cu_seqlens is None:
         batch_of = q
     else:  # one initial state per sequence
@@ -246,33 +304,65 @@ def prepare_delta_rule(
 
 
 def portable_delta_rule(
-    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
-    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
-    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-) -> tuple[Value, Value]:  # fmt: skip
+    q: Value,
+    k: Value,
+    v: Value,
+    g: Value,
+    beta: Value,
+    A_log: Optional[Value],
+    dt_bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Value, Value]:
     """``kda.chunk`` / ``kda.recurrent`` as a token ``Scan`` (same math, same results);
     packed sequences reset the state at each sequence's first token."""
     qf, kf, vf, log_decay, beta_f, state = prepare_delta_rule(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-        use_qk_l2norm, use_beta_sigmoid,
-    )  # fmt: skip
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm,
+        use_beta_sigmoid=use_beta_sigmoid,
+    )
     if cu_seqlens is None:
-        final, o = delta_rule_scan(state, qf, kf, vf, log_decay, beta_f)
+        final, o = delta_rule_scan(state=state, q=qf, k=kf, v=vf, g=log_decay, beta=beta_f)
     else:
         seq_ids, _, starts = _token_sequences(cu_seqlens, q)
         final, o = packed_delta_rule_scan(
-            state, qf, kf, vf, log_decay, beta_f, seq_ids, starts
-        )  # fmt: skip
+            bank=state, q=qf, k=kf, v=vf, g=log_decay, beta=beta_f, seq_ids=seq_ids, starts=starts
+        )
     return op.Cast(o, to=v.dtype), final
 
 
 def portable_causal_conv1d(
-    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
-    cu_seqlens: Optional[Value], activation: str,
-) -> tuple[Value, Value]:  # fmt: skip
+    x: Value,
+    weight: Value,
+    bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    activation: str,
+) -> tuple[Value, Value]:
     """``kda.causal_conv1d``: grouped ``Conv`` over ``[history, x]`` along time."""
     if cu_seqlens is not None:
-        return _packed_causal_conv1d(x, weight, bias, initial_state, cu_seqlens, activation)
+        return _packed_causal_conv1d(
+            x=x,
+            weight=weight,
+            bias=bias,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            activation=activation,
+        )
     channels, width = weight.shape[0], weight.shape[1]
     history = _zeros(x, channels, width - 1) if initial_state is None else _f32(initial_state)
     window = op.Concat(history, op.Transpose(_f32(x), perm=[0, 2, 1]), axis=2)  # [B, D, W-1+T]
@@ -293,7 +383,7 @@ def _int64(value: int) -> Value:
 
 def _packed_inputs(
     xf: Value, history: Value, seq: Value, first: Value, position: Value, width: int
-) -> Value:  # fmt: skip
+) -> Value:
     """The input at ``position`` (int64 ``[M]``) of sequence ``seq`` (first token
     ``first``): from the packed xf ``[T, D]`` inside the sequence, else from its history
     ``[N, W - 1, D]`` (entry ``W - 1 - k`` is k tokens before its start), else 0."""
@@ -303,16 +393,21 @@ def _packed_inputs(
     in_range = op.Min(op.Max(entry, zero), _int64(width - 2))  # the Where below picks
     index = op.Concat(op.Unsqueeze(seq, [1]), op.Unsqueeze(in_range, [1]), axis=1)
     from_history = op.Where(
-        op.Unsqueeze(op.GreaterOrEqual(entry, zero), [1]), op.GatherND(history, index),
+        op.Unsqueeze(op.GreaterOrEqual(entry, zero), [1]),
+        op.GatherND(history, index),
         op.Constant(value_float=0.0),
-    )  # fmt: skip
+    )
     return op.Where(op.Unsqueeze(op.GreaterOrEqual(position, first), [1]), from_x, from_history)
 
 
 def _packed_causal_conv1d(
-    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
-    cu_seqlens: Value, activation: str,
-) -> tuple[Value, Value]:  # fmt: skip
+    x: Value,
+    weight: Value,
+    bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Value,
+    activation: str,
+) -> tuple[Value, Value]:
     """``kda.causal_conv1d`` over packed sequences (x ``[1, T, D]``): each tap gathers its
     input from the sequence or its history; the final states gather the last W - 1."""
     channels, width = weight.shape[0], weight.shape[1]
@@ -327,8 +422,14 @@ def _packed_causal_conv1d(
     weight_f = _f32(weight)
     y = op.Constant(value_float=0.0)
     for tap in range(width):
-        inputs = _packed_inputs(xf, history, seq_ids, first, positions - _int64(width - 1 - tap),
-                                width)  # fmt: skip
+        inputs = _packed_inputs(
+            xf=xf,
+            history=history,
+            seq=seq_ids,
+            first=first,
+            position=positions - _int64(width - 1 - tap),
+            width=width,
+        )
         y = y + inputs * op.Gather(weight_f, _int64(tap), axis=1)
     if bias is not None:
         y = y + _f32(bias)
@@ -337,11 +438,18 @@ def _packed_causal_conv1d(
     sequences = op.Range(_int64(0), op.Squeeze(op.Shape(ends)), _int64(1))
     kept = [
         op.Unsqueeze(
-            _packed_inputs(xf, history, sequences, starts, ends - _int64(width - 1 - j), width),
+            _packed_inputs(
+                xf=xf,
+                history=history,
+                seq=sequences,
+                first=starts,
+                position=ends - _int64(width - 1 - j),
+                width=width,
+            ),
             [2],
         )
         for j in range(width - 1)
-    ]  # fmt: skip
+    ]
     final = op.Concat(*kept, axis=2)  # [N, D, W - 1]
     return op.Cast(op.Unsqueeze(y, [0]), to=x.dtype), op.CastLike(final, initial_state)
 
@@ -361,7 +469,14 @@ def portable_gate(
     g: Value, A_log: Value, dt_bias: Optional[Value], lower_bound: Optional[float]
 ) -> Value:
     """``kda.gate``: float32 log-decay of g's shape."""
-    return _log_decay(g, A_log, dt_bias, lower_bound, g.shape[-2], g.shape[-1])
+    return _log_decay(
+        g=g,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        heads=g.shape[-2],
+        channels=g.shape[-1],
+    )
 
 
 # ----------------------------------------------------------------------------- plugin
@@ -414,8 +529,10 @@ def _derived(target: int, dims: list, elem_from: Optional[int] = None) -> Callab
     return infer
 
 
-PLUGIN_ATTRIBUTES = (("plugin_namespace", OpSchema.AttrType.STRING),
-                     ("plugin_version", OpSchema.AttrType.STRING))  # fmt: skip
+PLUGIN_ATTRIBUTES = (
+    ("plugin_namespace", OpSchema.AttrType.STRING),
+    ("plugin_version", OpSchema.AttrType.STRING),
+)
 DELTA_RULE_ATTRIBUTES = [
     "scale",
     "lower_bound",
@@ -501,11 +618,15 @@ def _schema(name: str, spec: dict[str, object]) -> OpSchema:
     ] + [OpSchema.Attribute(a, kind, a) for a, kind in PLUGIN_ATTRIBUTES]
     floats = ["tensor(float16)", "tensor(bfloat16)", "tensor(float)"]
     schema = OpSchema(
-        name, PLUGIN_DOMAIN, 1, f"kda::{name} as one TensorRT plugin node",
-        inputs=parameters, outputs=outputs,
+        name=name,
+        domain=PLUGIN_DOMAIN,
+        since_version=1,
+        doc=f"kda::{name} as one TensorRT plugin node",
+        inputs=parameters,
+        outputs=outputs,
         type_constraints=[("T", floats, "tensors"), ("S", ["tensor(float)"], "float32 state")],
         attributes=attributes,
-    )  # fmt: skip
+    )
     rules = spec["rules"]
 
     def infer(ctx: onnx.shape_inference.InferenceContext) -> None:
@@ -545,24 +666,41 @@ def _or_zeros(value: Optional[Value], shape: list[int], like: Value) -> Value:
 
 def _plugin_delta_rule(name: str) -> Callable[..., tuple[Value, Value]]:
     def translate(
-        q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
-        dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
-        scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-    ) -> tuple[Value, Value]:  # fmt: skip
+        q: Value,
+        k: Value,
+        v: Value,
+        g: Value,
+        beta: Value,
+        A_log: Optional[Value],
+        dt_bias: Optional[Value],
+        initial_state: Optional[Value],
+        cu_seqlens: Optional[Value],
+        scale: float,
+        lower_bound: Optional[float],
+        use_qk_l2norm: bool,
+        use_beta_sigmoid: bool,
+    ) -> tuple[Value, Value]:
         _reject_varlen(name, cu_seqlens)
         value_heads, head_k, head_v = v.shape[2], q.shape[3], v.shape[3]
         gate_width = 1 if len(g.shape) == 3 else head_k
         inputs = [
-            q, k, v, g, beta,
+            q,
+            k,
+            v,
+            g,
+            beta,
             _f32(_or_zeros(A_log, [value_heads], q)),
             _f32(_or_zeros(dt_bias, [value_heads * gate_width], q)),
             _f32(_or_zeros(initial_state, [-1, value_heads, head_k, head_v], q)),
-        ]  # fmt: skip
+        ]
         attributes = dict(
-            scale=scale, lower_bound=lower_bound or 0.0, use_gate=A_log is not None,
-            use_lower_bound=lower_bound is not None, use_qk_l2norm=use_qk_l2norm,
+            scale=scale,
+            lower_bound=lower_bound or 0.0,
+            use_gate=A_log is not None,
+            use_lower_bound=lower_bound is not None,
+            use_qk_l2norm=use_qk_l2norm,
             use_beta_sigmoid=use_beta_sigmoid,
-        )  # fmt: skip
+        )
         if name == "recurrent":
             return _plugin_node("recurrent", inputs, **attributes)
         decay, w, u, qg, kd, aqk = _plugin_node("chunk_prepare", inputs[:7], **attributes)
@@ -572,9 +710,13 @@ def _plugin_delta_rule(name: str) -> Callable[..., tuple[Value, Value]]:
 
 
 def plugin_causal_conv1d(
-    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
-    cu_seqlens: Optional[Value], activation: str,
-) -> tuple[Value, Value]:  # fmt: skip
+    x: Value,
+    weight: Value,
+    bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    activation: str,
+) -> tuple[Value, Value]:
     _reject_varlen("causal_conv1d", cu_seqlens)
     channels, width = weight.shape[0], weight.shape[1]
     state = _or_zeros(initial_state, [-1, channels, width - 1], x)
@@ -712,10 +854,14 @@ def export_onnx(
             f"`opset_version` {opset} is below what {mode!r} mode needs ({MODE_OPSETS[mode]})"
         )
     onnx_program = torch.onnx.export(
-        program, dynamo=True, custom_translation_table=translation_table(mode),
-        input_names=input_names, output_names=output_names, verbose=False,
+        program,
+        dynamo=True,
+        custom_translation_table=translation_table(mode),
+        input_names=input_names,
+        output_names=output_names,
+        verbose=False,
         opset_version=opset,
-    )  # fmt: skip
+    )
     onnx_program.save(path)
     return onnx.load(path)
 

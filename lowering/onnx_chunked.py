@@ -193,7 +193,9 @@ def _bounded_decayed(
     k_grown = k / gamma
     causal = np.tril(np.ones((chunk, chunk), dtype=np.float32))
     masks = np.stack([causal, np.tril(causal, -1)])  # [2, C, C]
-    aqk, akk = _query_key_products(q_decayed, k_decayed, k_grown, _const(masks), chunk)
+    aqk, akk = _query_key_products(
+        q_rows=q_decayed, k_rows=k_decayed, columns=k_grown, weights=_const(masks), chunk=chunk
+    )
     return aqk, akk, k_grown, q_decayed, k_decayed
 
 
@@ -240,8 +242,12 @@ def _scan(
         shape = None if like.shape is None else ir.Shape(list(like.shape)[1:])
         return value(outer.opset, name=f"{prefix}{name}", shape=shape, type=like.type)
 
-    state = value(outer.opset, name=f"{prefix}state", shape=carried.shape,
-                  type=ir.TensorType(ir.DataType.FLOAT))  # fmt: skip
+    state = value(
+        outer.opset,
+        name=f"{prefix}state",
+        shape=carried.shape,
+        type=ir.TensorType(ir.DataType.FLOAT),
+    )
     slices = [body_input(f"scanned{i}", x) for i, x in enumerate(scanned)]
     recorder = type(outer)(outer.opset, {})  # constants of its own: none shared with outer
     with onnxscript.evaluator.default_as(recorder):
@@ -278,9 +284,12 @@ class _Tokens:
 
 
 def _gate_parameters(
-    A_log: Optional[Value], dt_bias: Optional[Value], value_heads: int, gate_width: int,
+    A_log: Optional[Value],
+    dt_bias: Optional[Value],
+    value_heads: int,
+    gate_width: int,
     lower_bound: Optional[float],
-) -> tuple[Optional[Value], Optional[Value]]:  # fmt: skip
+) -> tuple[Optional[Value], Optional[Value]]:
     """``(rate, bias)`` ``[1, HV, S, Kg]`` of the gate ``lower_bound · σ(rate g + bias)``
     (bias = rate dt_bias) or ``-rate softplus(g + bias)`` (bias = dt_bias), rate =
     exp(A_log); None where there is no gate or no dt_bias."""
@@ -309,10 +318,17 @@ def _l2norm(x: Value, scale: float) -> Value:
 
 
 def _step_tokens(
-    plan: _Tokens, index_qk: Value, index_v: Value, valid: Value, A_log: Optional[Value],
-    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
+    plan: _Tokens,
+    index_qk: Value,
+    index_v: Value,
+    valid: Value,
+    A_log: Optional[Value],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
     chunk: int,
-) -> tuple[Value, Value, Value, Value, Value]:  # fmt: skip
+) -> tuple[Value, Value, Value, Value, Value]:
     """A step's tokens gathered head-major (``index_*`` ``[HV, S]``: rows of
     ``plan.sources``) with the in-kernel options applied, as
     :func:`lowering.onnx.prepare_delta_rule` does, laid out ``[N, n, C, D]`` (N = B HV, a
@@ -355,9 +371,15 @@ def _step_tokens(
 
 
 def _within_chunks(
-    q: Value, k: Value, v: Value, log_decay: Value, beta: Value, head_k: int, safe_gate: bool,
+    q: Value,
+    k: Value,
+    v: Value,
+    log_decay: Value,
+    beta: Value,
+    head_k: int,
+    safe_gate: bool,
     chunk: int,
-) -> tuple[Value, Value, Value, Value, Value, Value]:  # fmt: skip
+) -> tuple[Value, Value, Value, Value, Value, Value]:
     """Everything that does not depend on the state, for every chunk of a step at once:
     q, k ``[N, n, C, K]`` (N = B HV), v ``[N, n, C, V]``, log_decay ``[N, n, C, Kg]`` (Kg = 1
     for a decay per head), beta ``[N, n, C, 1]``. Returns (Aqk ``[N, n, C, C]``, W ``[N, n,
@@ -369,7 +391,7 @@ def _within_chunks(
     cum = op.CumSum(log_decay, op.Constant(value_int=2))
     last = op.Slice(cum, [chunk - 1], [chunk], [2])  # [N, n, 1, Kg]
     if safe_gate and not per_head:
-        aqk, akk, keys, q_decayed, k_decayed = _bounded_decayed(q, k, cum, chunk)
+        aqk, akk, keys, q_decayed, k_decayed = _bounded_decayed(q=q, k=k, cum=cum, chunk=chunk)
     else:
         if per_head:
             # [N, n, 2, C, C]: exp(G_i - G_j) over causal pairs (strictly causal for Akk),
@@ -378,9 +400,11 @@ def _within_chunks(
             causal = np.tril(np.ones((chunk, chunk), dtype=bool))
             none = np.where(np.stack([causal, np.tril(causal, -1)]), 0.0, -np.inf)
             decays = op.Exp(pair + _const(none.astype(np.float32)))
-            aqk, akk = _query_key_products(q, k, k, decays, chunk)
+            aqk, akk = _query_key_products(
+                q_rows=q, k_rows=k, columns=k, weights=decays, chunk=chunk
+            )
         else:
-            aqk, akk = _pairwise_decayed(q, k, cum, head_k, chunk)
+            aqk, akk = _pairwise_decayed(q=q, k=k, cum=cum, head_k=head_k, chunk=chunk)
             akk = akk * _const(np.tril(np.ones((chunk, chunk), dtype=np.float32), -1))
         keys = k * op.Exp(last - cum)
         gamma = op.Exp(cum)  # Γ <= 1: one that underflows stands for a product that does
@@ -402,9 +426,16 @@ def _chunk_parts(x: Value, count: int) -> list[Value]:
 
 
 def _across_chunks(
-    state: Value, aqk: Value, w: Value, u: Value, q_decayed: Value, keys: Value, decay: Value,
-    count: int, decay_after: bool,
-) -> tuple[Value, Value]:  # fmt: skip
+    state: Value,
+    aqk: Value,
+    w: Value,
+    u: Value,
+    q_decayed: Value,
+    keys: Value,
+    decay: Value,
+    count: int,
+    decay_after: bool,
+) -> tuple[Value, Value]:
     """The serial part over a step's ``count`` chunks, unrolled: per chunk ``[W; Q ⊙ Γ] S``
     in one product (the rows stacked once for the step, so the output's ``(Q ⊙ Γ) S₀``
     needs no copy of the chunk-start states), ``U' = U - W S``, ``S ← Γ_C ⊙ S + K̃ᵀ U'``
@@ -431,25 +462,45 @@ def _across_chunks(
 
 
 def chunked_delta_rule(
-    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
-    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
-    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-) -> tuple[Value, Value]:  # fmt: skip
+    q: Value,
+    k: Value,
+    v: Value,
+    g: Value,
+    beta: Value,
+    A_log: Optional[Value],
+    dt_bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Value, Value]:
     """``kda.chunk`` in steps of :data:`STEP_TOKENS` tokens, chunks of :data:`CHUNK` tokens
     (:data:`BLOCK` for a decay per channel under the safe gate's bound) (portable mode). A
     one-token call (T = 1 known at export) and packed sequences (``cu_seqlens``) take the token
     ``Scan`` (:func:`lowering.onnx.portable_delta_rule`)."""
     if cu_seqlens is not None or q.shape[1] == 1:
         return kda_onnx.portable_delta_rule(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-            use_qk_l2norm, use_beta_sigmoid,
-        )  # fmt: skip
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            scale=scale,
+            lower_bound=lower_bound,
+            use_qk_l2norm=use_qk_l2norm,
+            use_beta_sigmoid=use_beta_sigmoid,
+        )
     heads, value_heads, head_k, head_v = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     group, gate_width = value_heads // heads, 1 if len(g.shape) == 3 else head_k
     safe_gate = (
-        A_log is not None and lower_bound is not None
-        and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
-    )  # fmt: skip
+        A_log is not None and lower_bound is not None and lower_bound >= FACTORED_BLOCK_LOWER_BOUND
+    )
     tokens = STEP_TOKENS
     # Per-channel decays under the safe gate's bound take chunks of BLOCK tokens, factored
     # at the chunk's start (_bounded_decayed); the others CHUNK.
@@ -467,22 +518,31 @@ def chunked_delta_rule(
         flattened.shape = ir.Shape([None, None, *width])  # read by _step_tokens
         return flattened
 
-    rate, bias = _gate_parameters(A_log, dt_bias, value_heads, gate_width, lower_bound)
-    plan = _Tokens(
-        sources=(flat(q), flat(k), flat(v), flat(g), flat(beta)), rate=rate, bias=bias,
+    rate, bias = _gate_parameters(
+        A_log=A_log,
+        dt_bias=dt_bias,
+        value_heads=value_heads,
         gate_width=gate_width,
-    )  # fmt: skip
+        lower_bound=lower_bound,
+    )
+    plan = _Tokens(
+        sources=(flat(q), flat(k), flat(v), flat(g), flat(beta)),
+        rate=rate,
+        bias=bias,
+        gate_width=gate_width,
+    )
     # Every step's token indices [steps, HV, S] and validity [steps, 1, 1, S, 1], once: the
     # Scan slices them. Past T a step repeats the last token, made inert there.
     steps = op.Div(length + op.Constant(value_ints=[tokens - 1]), op.Constant(value_ints=[tokens]))
     wanted = op.Range(
-        op.Constant(value_int=0), op.Squeeze(steps * op.Constant(value_ints=[tokens])),
+        op.Constant(value_int=0),
+        op.Squeeze(steps * op.Constant(value_ints=[tokens])),
         op.Constant(value_int=1),
-    )  # fmt: skip
+    )
     at = op.Reshape(
         op.Min(wanted, length - op.Constant(value_ints=[1])),
         op.Constant(value_ints=[-1, 1, tokens]),
-    )  # fmt: skip
+    )
     value_head = _const(np.arange(value_heads, dtype=np.int64).reshape(1, -1, 1))
     index_v = at * op.Constant(value_int=value_heads) + value_head
     index_qk = index_v
@@ -492,15 +552,42 @@ def chunked_delta_rule(
     valid = op.Reshape(
         op.Cast(op.Less(wanted, length), to=onnx.TensorProto.FLOAT),
         op.Constant(value_ints=[-1, 1, 1, tokens, 1]),
-    )  # fmt: skip
+    )
 
     def step(state: Value, index_qk: Value, index_v: Value, valid: Value) -> tuple[Value, Value]:
-        parts = _step_tokens(
-            plan, index_qk, index_v, valid, A_log, scale, lower_bound, use_qk_l2norm,
-            use_beta_sigmoid, chunk,
-        )  # fmt: skip
-        within = _within_chunks(*parts, head_k, safe_gate, chunk)
-        state, o = _across_chunks(state, *within, count=tokens // chunk, decay_after=bounded)
+        q_c, k_c, v_c, log_decay, beta_c = _step_tokens(
+            plan=plan,
+            index_qk=index_qk,
+            index_v=index_v,
+            valid=valid,
+            A_log=A_log,
+            scale=scale,
+            lower_bound=lower_bound,
+            use_qk_l2norm=use_qk_l2norm,
+            use_beta_sigmoid=use_beta_sigmoid,
+            chunk=chunk,
+        )
+        aqk, w, u, q_decayed, keys, decay = _within_chunks(
+            q=q_c,
+            k=k_c,
+            v=v_c,
+            log_decay=log_decay,
+            beta=beta_c,
+            head_k=head_k,
+            safe_gate=safe_gate,
+            chunk=chunk,
+        )
+        state, o = _across_chunks(
+            state=state,
+            aqk=aqk,
+            w=w,
+            u=u,
+            q_decayed=q_decayed,
+            keys=keys,
+            decay=decay,
+            count=tokens // chunk,
+            decay_after=bounded,
+        )
         # [N, n, C, V] -> [B, HV, S, V]: a Reshape, no copy.
         return state, op.Reshape(o, op.Constant(value_ints=[-1, value_heads, tokens, head_v]))
 

@@ -53,9 +53,10 @@ Value = kda_onnx.Value
 
 def _default_domain_nodes(model: ir.Model) -> list[ir.Node]:
     return [
-        node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        node
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
         if node.domain in ("", "ai.onnx")
-    ]  # fmt: skip
+    ]
 
 
 def install_version_conversion() -> None:
@@ -107,10 +108,20 @@ def _pack(x: Value) -> Value:
 
 
 def standard_delta_rule(
-    q: Value, k: Value, v: Value, g: Value, beta: Value, A_log: Optional[Value],
-    dt_bias: Optional[Value], initial_state: Optional[Value], cu_seqlens: Optional[Value],
-    scale: float, lower_bound: Optional[float], use_qk_l2norm: bool, use_beta_sigmoid: bool,
-) -> tuple[Value, Value]:  # fmt: skip
+    q: Value,
+    k: Value,
+    v: Value,
+    g: Value,
+    beta: Value,
+    A_log: Optional[Value],
+    dt_bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    scale: float,
+    lower_bound: Optional[float],
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> tuple[Value, Value]:
     """``kda.chunk`` / ``kda.recurrent`` as pre-processing plus one ``LinearAttention``.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]`` or ``[B, T, HV]``;
@@ -122,44 +133,64 @@ def standard_delta_rule(
     if use_qk_l2norm:
         qf, kf = kda_onnx._l2norm(qf), kda_onnx._l2norm(kf)
     group = value_heads // heads
-    qf = kda_onnx._repeat_heads(qf, heads, group, head_k)
-    kf = kda_onnx._repeat_heads(kf, heads, group, head_k)
+    qf = kda_onnx._repeat_heads(x=qf, heads=heads, group=group, channels=head_k)
+    kf = kda_onnx._repeat_heads(x=kf, heads=heads, group=group, channels=head_k)
     per_head = len(g.shape) == 3  # Gated DeltaNet: one decay per head
     if A_log is None:
         decay = kda_onnx._f32(g)
     else:
         gate = op.Unsqueeze(g, [-1]) if per_head else g
-        decay = kda_onnx._log_decay(gate, A_log, dt_bias, lower_bound, value_heads,
-                                    1 if per_head else head_k)  # fmt: skip
+        decay = kda_onnx._log_decay(
+            g=gate,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            lower_bound=lower_bound,
+            heads=value_heads,
+            channels=1 if per_head else head_k,
+        )
         if per_head:
             decay = op.Squeeze(decay, [-1])
     if use_beta_sigmoid:
         beta_f = op.Sigmoid(beta_f)
     state = None if initial_state is None else kda_onnx._f32(initial_state)
     o, final = op27.LinearAttention(
-        _pack(qf), _pack(kf), _pack(kda_onnx._f32(v)), state,
-        decay if per_head else _pack(decay), beta_f,
-        q_num_heads=value_heads, kv_num_heads=value_heads, scale=float(scale),
-        update_rule="gated_delta", _outputs=2,
-    )  # fmt: skip
+        _pack(qf),
+        _pack(kf),
+        _pack(kda_onnx._f32(v)),
+        state,
+        decay if per_head else _pack(decay),
+        beta_f,
+        q_num_heads=value_heads,
+        kv_num_heads=value_heads,
+        scale=float(scale),
+        update_rule="gated_delta",
+        _outputs=2,
+    )
     o = op.Reshape(o, op.Constant(value_ints=[0, 0, value_heads, head_v]))
     return op.Cast(o, to=v.dtype), final
 
 
 def standard_causal_conv1d(
-    x: Value, weight: Value, bias: Optional[Value], initial_state: Optional[Value],
-    cu_seqlens: Optional[Value], activation: str,
-) -> tuple[Value, Value]:  # fmt: skip
+    x: Value,
+    weight: Value,
+    bias: Optional[Value],
+    initial_state: Optional[Value],
+    cu_seqlens: Optional[Value],
+    activation: str,
+) -> tuple[Value, Value]:
     """``kda.causal_conv1d`` as one ``CausalConvWithState``: x ``[B, T, D]``, weight
     ``[D, W]``, bias ``[D]``, state ``[B, D, W - 1]``; y in x's dtype, the final state in
     the initial state's dtype (x's when none); math in float32."""
     reject_varlen("causal_conv1d", cu_seqlens)
     f32 = kda_onnx._f32
     y, final = op27.CausalConvWithState(
-        op.Transpose(f32(x), perm=[0, 2, 1]), op.Unsqueeze(f32(weight), [1]),
-        None if bias is None else f32(bias), None if initial_state is None else f32(initial_state),
-        activation="silu" if activation == "silu" else "none", _outputs=2,
-    )  # fmt: skip
+        op.Transpose(f32(x), perm=[0, 2, 1]),
+        op.Unsqueeze(f32(weight), [1]),
+        None if bias is None else f32(bias),
+        None if initial_state is None else f32(initial_state),
+        activation="silu" if activation == "silu" else "none",
+        _outputs=2,
+    )
     state_dtype = x.dtype if initial_state is None else initial_state.dtype
     return op.Cast(op.Transpose(y, perm=[0, 2, 1]), to=x.dtype), op.Cast(final, to=state_dtype)
 

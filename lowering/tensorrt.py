@@ -97,8 +97,9 @@ class Placeholders:
         if name not in DIM_HINTS:
             raise ValueError(f"a symbolic dim must be one of {tuple(DIM_HINTS)}, got {name!r}")
         if name not in self._sizes:
-            symbol = self.shape_env.create_symbol(DIM_HINTS[name], self._source(name),
-                                                  dynamic_dim=self._dynamic)  # fmt: skip
+            symbol = self.shape_env.create_symbol(
+                DIM_HINTS[name], self._source(name), dynamic_dim=self._dynamic
+            )
             self.symbols[name] = symbol
             self._sizes[name] = self.shape_env.create_symintnode(symbol, hint=DIM_HINTS[name])
         return self._sizes[name]
@@ -191,8 +192,9 @@ class PluginKernel:
         """The planned grid over the plugin's input ``shapes`` (ints or ``ShapeExpr`` s)."""
         planned = self.planned(config)
         values = self._dim_values(planned, shapes)
-        return tuple(shape_expression(extent, values)
-                     for extent in (*planned.launch.grid, 1, 1)[:3])  # fmt: skip
+        return tuple(
+            shape_expression(extent, values) for extent in (*planned.launch.grid, 1, 1)[:3]
+        )
 
     def launch_args(self, shapes: Shapes, config: Config) -> list[Any]:
         """The int scalars TensorRT passes between inputs and outputs, over ``shapes``."""
@@ -223,8 +225,10 @@ class PluginKernel:
                 element = "fp32" if name in self.float32_params else TRITON_DTYPES[dtype]
                 planned = args[name]
                 if planned is not None and ELEMENT_TYPES.get(planned.dtype) != element:
-                    raise ValueError(f"{self.name}: the launcher plans {name} in "
-                                     f"{planned.dtype}, the plugin declares {element}")  # fmt: skip
+                    raise ValueError(
+                        f"{self.name}: the launcher plans {name} in "
+                        f"{planned.dtype}, the plugin declares {element}"
+                    )
                 signature[name] = f"*{element}"
         return signature, constants
 
@@ -247,8 +251,10 @@ def _plan(plugin: PluginKernel, config: Config) -> PlannedLaunch:
         launch = plugin.planner(tensors, config, TARGET)
     guards = [str(guard.expr) for guard in tensors.shape_env.guards]
     if guards:
-        raise ValueError(f"{plugin.name}: the launch plan depends on the symbolic dims "
-                         f"({guards}); a plugin's launch must hold for any")  # fmt: skip
+        raise ValueError(
+            f"{plugin.name}: the launch plan depends on the symbolic dims "
+            f"({guards}); a plugin's launch must hold for any"
+        )
     _check_roles(plugin, launch)
     return PlannedLaunch(launch, dict(tensors.symbols))
 
@@ -259,8 +265,9 @@ def _check_roles(plugin: PluginKernel, launch: KernelLaunch) -> None:
     absent pointers ``None`` or tensors the launch does not write, constexprs neither
     tensors nor ``None`` nor symbolic; and the launch writes outputs only."""
     if launch.kernel is not plugin.kernel:
-        raise ValueError(f"{plugin.name}: the launcher planned {launch.kernel}, "
-                         f"not {plugin.kernel}")  # fmt: skip
+        raise ValueError(
+            f"{plugin.name}: the launcher planned {launch.kernel}, not {plugin.kernel}"
+        )
     unwritten = sorted(set(launch.writes) - set(plugin.outputs))
     if unwritten:
         raise ValueError(f"{plugin.name}: the launch writes {unwritten}, which are no outputs")
@@ -278,8 +285,10 @@ def _check_roles(plugin: PluginKernel, launch: KernelLaunch) -> None:
             fits = value is not MISSING and not isinstance(value, (Tensor, SymInt, type(None)))
         if not fits:
             planned = "a tensor" if isinstance(value, Tensor) else repr(value)
-            raise ValueError(f"{plugin.name}: kernel parameter {name!r} is planned as "
-                             f"{planned}, which its role does not take")  # fmt: skip
+            raise ValueError(
+                f"{plugin.name}: kernel parameter {name!r} is planned as "
+                f"{planned}, which its role does not take"
+            )
 
 
 def _compilable(kernel: object) -> triton.JITFunction:
@@ -321,8 +330,9 @@ def _evaluate(expr: sympy.Expr, dims: Mapping[sympy.Symbol, Any]) -> Any:
             return _product([ceiling, int(-coefficient)])
         if coefficient < 0 or not coefficient.is_Integer:
             raise ValueError(f"a shape expression has no negative or fractional factor: {expr}")
-        return _product([int(coefficient),
-                         *(_evaluate(f, dims) for f in sympy.Mul.make_args(factors))])  # fmt: skip
+        return _product(
+            [int(coefficient), *(_evaluate(f, dims) for f in sympy.Mul.make_args(factors))]
+        )
     if expr.is_Add:
         added, subtracted = [], []
         for term in expr.args:
@@ -434,12 +444,14 @@ def _delta_arguments(tensors: Placeholders, config: Config) -> tuple:
     scalar_gate, use_gate = bool(config.get("scalar_gate", False)), _use_gate(config)
     gate_width = () if scalar_gate else (head_k,)
     inputs = DeltaRuleInputs(
-        q=tensors("B", "T", heads, head_k), k=tensors("B", "T", heads, head_k),
-        v=tensors("B", "T", value_heads, head_v), g=tensors("B", "T", value_heads, *gate_width),
+        q=tensors("B", "T", heads, head_k),
+        k=tensors("B", "T", heads, head_k),
+        v=tensors("B", "T", value_heads, head_v),
+        g=tensors("B", "T", value_heads, *gate_width),
         beta=tensors("B", "T", value_heads),
         A_log=tensors(value_heads, float32=True) if use_gate else None,
         dt_bias=tensors(value_heads * math.prod(gate_width), float32=True) if use_gate else None,
-    )  # fmt: skip
+    )
     lower_bound = config.get("lower_bound")
     options = DeltaRuleOptions(
         scale=float(config.get("scale") or head_k**-0.5),
@@ -463,30 +475,53 @@ def _state(tensors: Placeholders, config: Config) -> Tensor:
 def _recurrent_launch(tensors: Placeholders, config: Config, target: DeviceSizes) -> KernelLaunch:
     inputs, options = _delta_arguments(tensors, config)
     state = _state(tensors, config)
-    return recurrent_launch(inputs, state, torch.empty_like(state), None, None, options)
+    return recurrent_launch(
+        inputs=inputs,
+        state_in=state,
+        state_out=torch.empty_like(state),
+        state_indices=None,
+        cu_seqlens=None,
+        options=options,
+    )
 
 
-def _chunk_launches(tensors: Placeholders, config: Config,
-                    target: DeviceSizes) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
+def _chunk_launches(
+    tensors: Placeholders, config: Config, target: DeviceSizes
+) -> tuple[KernelLaunch, KernelLaunch]:
     """(prepare, recurrence): ``chunk_plan`` with the prepare in one launch (a plugin is
     one kernel). The recurrence plugin's config has no prepare settings (heads, gate,
     scale), which its launch does not depend on: planned with H = HV and the defaults."""
     config = {"heads": config["value_heads"], **config}
     inputs, options = _delta_arguments(tensors, config)
-    plan = chunk_plan(inputs, _state(tensors, config), None, options, target=target,
-                      single_prepare_launch=True)  # fmt: skip
+    plan = chunk_plan(
+        inputs=inputs,
+        initial_state=_state(tensors, config),
+        cu_seqlens=None,
+        options=options,
+        target=target,
+        single_prepare_launch=True,
+    )
     return _pair(plan, "chunk_plan")
 
 
-def _conv_launches(tensors: Placeholders, config: Config,
-                   target: DeviceSizes) -> tuple[KernelLaunch, KernelLaunch]:  # fmt: skip
+def _conv_launches(
+    tensors: Placeholders, config: Config, target: DeviceSizes
+) -> tuple[KernelLaunch, KernelLaunch]:
     """(output, final state): ``prefill_plan`` over x ``[B, T, D]``, weight ``[D, W]``,
     bias ``[D]`` and a state ``[B, D, W - 1]``, the final state by its own kernel."""
     channels, width = config["channels"], config["width"]
     state = tensors("B", channels, width - 1)
-    plan = prefill_plan(tensors("B", "T", channels), tensors(channels, width), tensors(channels),
-                        state, torch.empty_like(state), None, None,
-                        config.get("activation", "silu"), fuse_final_state=False)  # fmt: skip
+    plan = prefill_plan(
+        x=tensors("B", "T", channels),
+        weight=tensors(channels, width),
+        bias=tensors(channels),
+        state_in=state,
+        state_out=torch.empty_like(state),
+        state_indices=None,
+        cu_seqlens=None,
+        activation=config.get("activation", "silu"),
+        fuse_final_state=False,
+    )
     return _pair(plan, "prefill_plan")
 
 
@@ -499,18 +534,25 @@ def _pair(plan: LaunchPlan, planner: str) -> tuple[KernelLaunch, KernelLaunch]:
 def _norm_launch(tensors: Placeholders, config: Config, target: DeviceSizes) -> KernelLaunch:
     """x, gate ``[R, D]`` (R: the rows, every dim but the last), weight ``[D]``."""
     width = config["dim"]
-    return gated_rms_norm_launch(tensors("R", width), tensors("R", width), tensors(width),
-                                 float(config.get("eps", 1e-5)),
-                                 config.get("activation", "sigmoid"))  # fmt: skip
+    return gated_rms_norm_launch(
+        x=tensors("R", width),
+        gate=tensors("R", width),
+        weight=tensors(width),
+        eps=float(config.get("eps", 1e-5)),
+        activation=config.get("activation", "sigmoid"),
+    )
 
 
 def _gate_launch(tensors: Placeholders, config: Config, target: DeviceSizes) -> KernelLaunch:
     """g ``[R, HV, K]`` (R: every dim but the last two), A_log ``[HV]``, dt_bias
     ``[HV * K]`` float32."""
     value_heads, channels = config["value_heads"], config["head_k"]
-    return gate_launch(tensors("R", value_heads, channels), tensors(value_heads, float32=True),
-                       tensors(value_heads * channels, float32=True),
-                       config.get("lower_bound"))  # fmt: skip
+    return gate_launch(
+        g=tensors("R", value_heads, channels),
+        A_log=tensors(value_heads, float32=True),
+        dt_bias=tensors(value_heads * channels, float32=True),
+        lower_bound=config.get("lower_bound"),
+    )
 
 
 def _batch_and_tokens(name: str) -> dict[str, Callable[[Shapes], Any]]:
@@ -635,9 +677,12 @@ def abi_report(config: Mapping[str, object], dtypes: tuple[str, ...]) -> dict[st
             ptx = compiled.asm["ptx"]
             scratch = scratch_params(compiled.metadata)
             report[f"{name}/{dtype}"] = dict(
-                params=ptx_params(ptx), expected=expected_abi(plugin, len(scratch)),
-                scratch={kind: getattr(compiled.metadata, f"{kind}_scratch_size")
-                         for kind in scratch},
-                sm_90=".target sm_90" in ptx, shared=compiled.metadata.shared,
-            )  # fmt: skip
+                params=ptx_params(ptx),
+                expected=expected_abi(plugin, len(scratch)),
+                scratch={
+                    kind: getattr(compiled.metadata, f"{kind}_scratch_size") for kind in scratch
+                },
+                sm_90=".target sm_90" in ptx,
+                shared=compiled.metadata.shared,
+            )
     return report

@@ -40,9 +40,13 @@ NAMESPACE = "kda"
 MODEL_DTYPES = ("FP16", "BF16", "FP32")  # TensorRT type names, in autotune order
 
 DELTA_ATTRIBUTES: dict[str, type] = {
-    "scale": float, "lower_bound": float, "use_gate": int, "use_lower_bound": int,
-    "use_qk_l2norm": int, "use_beta_sigmoid": int,
-}  # fmt: skip
+    "scale": float,
+    "lower_bound": float,
+    "use_gate": int,
+    "use_lower_bound": int,
+    "use_qk_l2norm": int,
+    "use_beta_sigmoid": int,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +72,17 @@ class PluginSpec:
 def _delta_config(shapes: Shapes, attrs: Mapping[str, Any]) -> dict[str, object]:
     q, v = shapes["q"], shapes["v"]
     return dict(
-        heads=q[2], value_heads=v[2], head_k=q[3], head_v=v[3], scale=float(attrs["scale"]),
+        heads=q[2],
+        value_heads=v[2],
+        head_k=q[3],
+        head_v=v[3],
+        scale=float(attrs["scale"]),
         lower_bound=float(attrs["lower_bound"]) if attrs["use_lower_bound"] else None,
-        use_gate=bool(attrs["use_gate"]), scalar_gate=len(shapes["g"]) == 3,
+        use_gate=bool(attrs["use_gate"]),
+        scalar_gate=len(shapes["g"]) == 3,
         use_qk_l2norm=bool(attrs["use_qk_l2norm"]),
         use_beta_sigmoid=bool(attrs["use_beta_sigmoid"]),
-    )  # fmt: skip
+    )
 
 
 def _recurrence_config(shapes: Shapes, attrs: Mapping[str, Any]) -> dict[str, object]:
@@ -82,8 +91,9 @@ def _recurrence_config(shapes: Shapes, attrs: Mapping[str, Any]) -> dict[str, ob
 
 def _conv_config(shapes: Shapes, attrs: Mapping[str, Any]) -> dict[str, object]:
     silu = attrs.get("silu", 1)
-    return dict(channels=shapes["weight"][0], width=shapes["weight"][1],
-                activation="silu" if silu else None)  # fmt: skip
+    return dict(
+        channels=shapes["weight"][0], width=shapes["weight"][1], activation="silu" if silu else None
+    )
 
 
 def _conv_state_config(shapes: Shapes, attrs: Mapping[str, Any]) -> dict[str, object]:
@@ -110,28 +120,62 @@ def _tokens(width_of: str) -> Callable[[Shapes], tuple]:
 
 
 SPECS: dict[str, PluginSpec] = {
-    "recurrent": PluginSpec(PLUGINS["recurrent"], DELTA_ATTRIBUTES, _delta_config, {
-        "o": Output(_same("v"), "v"), "state_out": Output(_same("state_in"), None),
-    }),
-    "chunk_prepare": PluginSpec(PLUGINS["chunk_prepare"], DELTA_ATTRIBUTES, _delta_config, {
-        "chunk_decay": Output(lambda s: (chunk_count(s), s["v"][2], s["q"][-1]), None),
-        "w": Output(_tokens("q"), "q"),
-        "u": Output(_tokens("v"), "q"), "qg": Output(_tokens("q"), "q"),
-        "kd": Output(_tokens("q"), "q"),
-        "aqk": Output(lambda s: (chunk_count(s), s["v"][2], FORWARD_CHUNK, FORWARD_CHUNK), "q"),
-    }),
-    "chunk_recurrence": PluginSpec(PLUGINS["chunk_recurrence"], {}, _recurrence_config, {
-        "o": Output(_same("u"), "u"), "final_state": Output(_same("initial_state"), None),
-    }),
-    "causal_conv1d_output": PluginSpec(PLUGINS["causal_conv1d_output"], {"silu": int},
-                                       _conv_config, {"y": Output(_same("x"), "x")}),
-    "causal_conv1d_state": PluginSpec(PLUGINS["causal_conv1d_state"], {}, _conv_state_config,
-                                      {"state_out": Output(_same("state_in"), "state_in")}),
-    "gated_rms_norm": PluginSpec(PLUGINS["gated_rms_norm"], {"eps": float, "silu": int},
-                                 _norm_config, {"y": Output(_same("x"), "x")}),
-    "gate": PluginSpec(PLUGINS["gate"], {"lower_bound": float, "use_lower_bound": int},
-                       _gate_config, {"out": Output(_same("g"), None)}),
-}  # fmt: skip
+    "recurrent": PluginSpec(
+        kernel=PLUGINS["recurrent"],
+        attributes=DELTA_ATTRIBUTES,
+        config=_delta_config,
+        outputs={
+            "o": Output(_same("v"), "v"),
+            "state_out": Output(_same("state_in"), None),
+        },
+    ),
+    "chunk_prepare": PluginSpec(
+        kernel=PLUGINS["chunk_prepare"],
+        attributes=DELTA_ATTRIBUTES,
+        config=_delta_config,
+        outputs={
+            "chunk_decay": Output(lambda s: (chunk_count(s), s["v"][2], s["q"][-1]), None),
+            "w": Output(_tokens("q"), "q"),
+            "u": Output(_tokens("v"), "q"),
+            "qg": Output(_tokens("q"), "q"),
+            "kd": Output(_tokens("q"), "q"),
+            "aqk": Output(lambda s: (chunk_count(s), s["v"][2], FORWARD_CHUNK, FORWARD_CHUNK), "q"),
+        },
+    ),
+    "chunk_recurrence": PluginSpec(
+        kernel=PLUGINS["chunk_recurrence"],
+        attributes={},
+        config=_recurrence_config,
+        outputs={
+            "o": Output(_same("u"), "u"),
+            "final_state": Output(_same("initial_state"), None),
+        },
+    ),
+    "causal_conv1d_output": PluginSpec(
+        kernel=PLUGINS["causal_conv1d_output"],
+        attributes={"silu": int},
+        config=_conv_config,
+        outputs={"y": Output(_same("x"), "x")},
+    ),
+    "causal_conv1d_state": PluginSpec(
+        kernel=PLUGINS["causal_conv1d_state"],
+        attributes={},
+        config=_conv_state_config,
+        outputs={"state_out": Output(_same("state_in"), "state_in")},
+    ),
+    "gated_rms_norm": PluginSpec(
+        kernel=PLUGINS["gated_rms_norm"],
+        attributes={"eps": float, "silu": int},
+        config=_norm_config,
+        outputs={"y": Output(_same("x"), "x")},
+    ),
+    "gate": PluginSpec(
+        kernel=PLUGINS["gate"],
+        attributes={"lower_bound": float, "use_lower_bound": int},
+        config=_gate_config,
+        outputs={"out": Output(_same("g"), None)},
+    ),
+}
 
 
 # ----------------------------------------------------------------- descriptor logic
@@ -163,8 +207,9 @@ def io_float32(name: str) -> list[bool]:
     """Per plugin I/O (inputs then outputs): whether it is float32 whatever the model dtype."""
     spec = SPECS[name]
     inputs = [n in spec.kernel.float32_params for n in spec.kernel.inputs]
-    outputs = [out.like is None or out.like in spec.kernel.float32_params
-               for out in spec.outputs.values()]  # fmt: skip
+    outputs = [
+        out.like is None or out.like in spec.kernel.float32_params for out in spec.outputs.values()
+    ]
     return inputs + outputs
 
 
@@ -195,8 +240,9 @@ def cast_plan(name: str, dtypes: Sequence[str]) -> list[str]:
 
 def static_dims(shape: Sequence[Any]) -> tuple[Optional[int], ...]:
     """Constant dims of a shape of ints or ``ShapeExpr`` s; ``None`` for dynamic ones."""
-    return tuple(d if isinstance(d, int) else (d.constant_value() if d.is_constant else None)
-                 for d in shape)  # fmt: skip
+    return tuple(
+        d if isinstance(d, int) else (d.constant_value() if d.is_constant else None) for d in shape
+    )
 
 
 # ----------------------------------------------------------------- tensorrt.plugin
@@ -310,7 +356,7 @@ def _compile_aot(name: str, *args: Any) -> tuple:
         descs[model_input].dtype
     ]
     static = {n: static_dims(s) for n, s in shapes.items()}
-    config = kernel_config(name, static, attrs, dtype)
+    config = kernel_config(name=name, shapes=static, attrs=attrs, dtype=dtype)
     compiled = compile_for_tensorrt(spec.kernel, dtype, config)
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y, params.grid_z = launch_grid(name, shapes, config)
@@ -343,11 +389,17 @@ def _register_one(name: str) -> None:
     # ``outputs`` / ``tactic`` stay unannotated (QDP's annotations are optional there).
     outputs = [("outputs", inspect.Parameter.empty)]
     register_params = _signature(inputs, attrs, ())
-    trtp.register(plugin_id)(_bound(_describe, name, register_params, returns["register"]))
+    trtp.register(plugin_id)(
+        _bound(fn=_describe, name=name, params=register_params, returns=returns["register"])
+    )
     autotune_params = _signature(inputs, {}, outputs)
-    trtp.autotune(plugin_id)(_bound(_autotune, name, autotune_params, returns["autotune"]))
+    trtp.autotune(plugin_id)(
+        _bound(fn=_autotune, name=name, params=autotune_params, returns=returns["autotune"])
+    )
     aot_params = _signature(inputs, attrs, [*outputs, ("tactic", inspect.Parameter.empty)])
-    trtp.aot_impl(plugin_id)(_bound(_compile_aot, name, aot_params, returns["aot_impl"]))
+    trtp.aot_impl(plugin_id)(
+        _bound(fn=_compile_aot, name=name, params=aot_params, returns=returns["aot_impl"])
+    )
 
 
 @functools.cache
@@ -406,10 +458,14 @@ def _zero_bias(ctx: Any, weight: Any, name: str) -> Any:
 def delta_attributes(bound: Mapping[str, Any]) -> dict[str, Any]:
     """Plugin attributes of a ``kda.chunk`` / ``kda.recurrent`` call."""
     lower_bound = bound["lower_bound"]
-    return dict(scale=float(bound["scale"]), lower_bound=float(lower_bound or 0.0), use_gate=1,
-                use_lower_bound=int(lower_bound is not None),
-                use_qk_l2norm=int(bound["use_qk_l2norm"]),
-                use_beta_sigmoid=int(bound["use_beta_sigmoid"]))  # fmt: skip
+    return dict(
+        scale=float(bound["scale"]),
+        lower_bound=float(lower_bound or 0.0),
+        use_gate=1,
+        use_lower_bound=int(lower_bound is not None),
+        use_qk_l2norm=int(bound["use_qk_l2norm"]),
+        use_beta_sigmoid=int(bound["use_beta_sigmoid"]),
+    )
 
 
 def plugin_chain(op: str, bound: Mapping[str, Any]) -> list[tuple[str, dict, dict]]:
@@ -421,20 +477,28 @@ def plugin_chain(op: str, bound: Mapping[str, Any]) -> list[tuple[str, dict, dic
     if op == "chunk":
         carried = {n: f"chunk_prepare.{n}" for n in ("w", "u", "qg", "kd", "aqk", "chunk_decay")}
         recurrence = {**carried, "initial_state": "initial_state"}
-        return [("chunk_prepare", delta, delta_attributes(bound)),
-                ("chunk_recurrence", recurrence, {})]  # fmt: skip
+        return [
+            ("chunk_prepare", delta, delta_attributes(bound)),
+            ("chunk_recurrence", recurrence, {}),
+        ]
     if op == "causal_conv1d":
         silu = int(bound["activation"] == "silu")
-        return [("causal_conv1d_output",
-                 dict(x="x", weight="weight", bias="bias", state="initial_state"), dict(silu=silu)),
-                ("causal_conv1d_state", dict(x="x", state_in="initial_state"), {})]  # fmt: skip
+        return [
+            (
+                "causal_conv1d_output",
+                dict(x="x", weight="weight", bias="bias", state="initial_state"),
+                dict(silu=silu),
+            ),
+            ("causal_conv1d_state", dict(x="x", state_in="initial_state"), {}),
+        ]
     if op == "gated_rms_norm":
         attrs = dict(eps=float(bound["eps"]), silu=int(bound["activation"] == "silu"))
         return [("gated_rms_norm", dict(x="x", gate="gate", weight="weight"), attrs)]
     if op == "gate":
         lower_bound = bound["lower_bound"]
-        attrs = dict(lower_bound=float(lower_bound or 0.0),
-                     use_lower_bound=int(lower_bound is not None))  # fmt: skip
+        attrs = dict(
+            lower_bound=float(lower_bound or 0.0), use_lower_bound=int(lower_bound is not None)
+        )
         return [("gate", dict(g="g", A_log="A_log", dt_bias="dt_bias"), attrs)]
     raise ValueError(f"kda.{op} has no TensorRT plugin form")
 
@@ -451,9 +515,12 @@ OP_OUTPUTS = {
 
 # The dtype of each op output (the ops' fakes): that of an op argument, or float32 (None).
 OP_OUTPUT_DTYPES = {
-    "recurrent": ("v", None), "chunk": ("v", None),
-    "causal_conv1d": ("x", "initial_state"), "gated_rms_norm": ("x",), "gate": (None,),
-}  # fmt: skip
+    "recurrent": ("v", None),
+    "chunk": ("v", None),
+    "causal_conv1d": ("x", "initial_state"),
+    "gated_rms_norm": ("x",),
+    "gate": (None,),
+}
 
 
 def _cast(ctx: Any, tensor: Any, dtype: str, name: str) -> Any:
@@ -491,8 +558,10 @@ def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: st
                 arguments[s] = get_trt_tensor(ctx, bound[s], f"{name}_{s}")
         inputs = [values[s] if "." in s else arguments[s] for s in sources.values()]
         plan = cast_plan(plugin, [_type_name(t) for t in inputs])
-        inputs = [_cast(ctx, t, d, f"{name}_{plugin}_{n}_cast")
-                  for t, d, n in zip(inputs, plan, sources)]  # fmt: skip
+        inputs = [
+            _cast(ctx=ctx, tensor=t, dtype=d, name=f"{name}_{plugin}_{n}_cast")
+            for t, d, n in zip(inputs, plan, sources)
+        ]
         kinds = SPECS[plugin].attributes
         fields = {n: attribute_field(v, kinds[n]) for n, v in attrs.items()}
         layer = ctx.net.add_plugin(getattr(trtp.op.kda, plugin)(*inputs, **fields), aot=True)
@@ -500,10 +569,14 @@ def _convert(op: str, ctx: Any, target: Any, args: tuple, kwargs: dict, name: st
         for index, output in enumerate(SPECS[plugin].outputs):
             values[f"{plugin}.{output}"] = layer.get_output(index)
     outputs = tuple(
-        _cast(ctx, values[s], "FP32" if like is None else _type_name(arguments[like]),
-              f"{name}_{s}_cast")
+        _cast(
+            ctx=ctx,
+            tensor=values[s],
+            dtype="FP32" if like is None else _type_name(arguments[like]),
+            name=f"{name}_{s}_cast",
+        )
         for s, like in zip(OP_OUTPUTS[op], OP_OUTPUT_DTYPES[op])
-    )  # fmt: skip
+    )
     return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -527,9 +600,10 @@ def register_torch_tensorrt_converters() -> tuple[str, ...]:
 
     register_plugins()
     for op in OP_OUTPUTS:
-        converter = _bound(_convert, op, [], Any)
+        converter = _bound(fn=_convert, name=op, params=[], returns=Any)
         del converter.__signature__  # Torch-TensorRT calls (ctx, target, args, kwargs, name)
         overload = getattr(torch.ops.kda, op).default
-        dynamo_tensorrt_converter(overload, capability_validator=_validator(op),
-                                  supports_dynamic_shapes=True)(converter)  # fmt: skip
+        dynamo_tensorrt_converter(
+            overload, capability_validator=_validator(op), supports_dynamic_shapes=True
+        )(converter)
     return tuple(OP_OUTPUTS)

@@ -54,8 +54,7 @@ class KDAInductorPass(ABC):
     def log_match(self, formulation: str, nodes: list[torch.fx.Node]) -> None:
         """Log (at the :data:`LOG_ENV` level) that ``formulation`` matched at ``nodes``:
         the model source line of the first node that has one, else the node's name."""
-        log.log(_level(), "kda pass %s: matched %s at %s", self.name, formulation,
-                _location(nodes))  # fmt: skip
+        log.log(_level(), "kda pass %s: matched %s at %s", self.name, formulation, _location(nodes))
 
     def uuid(self) -> str:
         """Hash of the file that defines this pass (and its base)."""
@@ -173,8 +172,13 @@ class ReplacementPass(PatternPass):
                 pending.append(item)
                 continue
             register_replacement(
-                item.search, item.replace, item.example, canonical.canonical_fwd_only,
-                patterns, extra_check=self.logged(item.words, self.check),
-                scalar_workaround=self.scalar_workaround, skip_duplicates=True,
-            )  # fmt: skip
+                search_fn=item.search,
+                replace_fn=item.replace,
+                example_inputs=item.example,
+                trace_fn=canonical.canonical_fwd_only,
+                pass_dicts=patterns,
+                extra_check=self.logged(item.words, self.check),
+                scalar_workaround=self.scalar_workaround,
+                skip_duplicates=True,
+            )
         self._pending = pending

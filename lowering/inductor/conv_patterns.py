@@ -59,9 +59,14 @@ def fused_update(
     """y ``[B, T, D]`` and the updated state, from the in-place op through
     ``auto_functionalized``."""
     y, new_state = auto_functionalized(
-        INPLACE, x=tokens, conv_state=conv_state, weight=weight, bias=bias,
-        state_indices=None, activation=activation,
-    )  # fmt: skip
+        INPLACE,
+        x=tokens,
+        conv_state=conv_state,
+        weight=weight,
+        bias=bias,
+        state_indices=None,
+        activation=activation,
+    )
     return y, new_state
 
 
@@ -202,10 +207,14 @@ class ConvSpelling:
 SHIFTS = ("tail", "cat", "roll")
 COLUMNS = ("unsqueeze", "column")
 REDUCTIONS = ("sum", "sum_keepdim", "einsum", "conv1d", "conv1d_squeezed", "conv1d_module")
-REDUCTION_OPS = {"sum": aten.sum.dim_IntList, "sum_keepdim": aten.sum.dim_IntList,
-                 "einsum": aten.bmm.default, "conv1d": aten.convolution.default,
-                 "conv1d_squeezed": aten.convolution.default,
-                 "conv1d_module": aten.convolution.default}  # fmt: skip
+REDUCTION_OPS = {
+    "sum": aten.sum.dim_IntList,
+    "sum_keepdim": aten.sum.dim_IntList,
+    "einsum": aten.bmm.default,
+    "conv1d": aten.convolution.default,
+    "conv1d_squeezed": aten.convolution.default,
+    "conv1d_module": aten.convolution.default,
+}
 
 
 def _shifted(spelling: ConvSpelling, x: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
@@ -257,7 +266,7 @@ def window_update(spelling: ConvSpelling, bias: bool, activation: str) -> Search
         if spelling.upcast:
             window, weight = window.float(), weight.float()
             b = None if b is None else b.float()
-        y = act(_weighted_sum(spelling, window, weight, b))
+        y = act(_weighted_sum(spelling=spelling, window=window, weight=weight, bias=b))
         return (y.to(x.dtype) if spelling.upcast else y), new_state
 
     return with_signature(search, bias)
@@ -270,7 +279,9 @@ def fused_window_update(spelling: ConvSpelling, bias: bool, activation: str) -> 
         tokens = x.unsqueeze(1) if spelling.column == "unsqueeze" else x.transpose(1, 2)
         kernel = weight.squeeze(1) if spelling.reduce == "conv1d_module" else weight
         b = rest[0] if rest else None
-        y, new_state = fused_update(tokens, conv_state, kernel, b, activation)
+        y, new_state = fused_update(
+            tokens=tokens, conv_state=conv_state, weight=kernel, bias=b, activation=activation
+        )
         return (y.transpose(1, 2) if spelling.y_column else y.squeeze(1)), new_state
 
     return with_signature(replace, bias)
@@ -304,17 +315,20 @@ class ConvWindowPass(ConvFormulationPass):
 
     def spellings(self) -> Iterator[ConvSpelling]:
         for column, reduce, upcast in itertools.product(COLUMNS, REDUCTIONS, self.upcasts):
-            yield ConvSpelling(self.shift, column, reduce, upcast)
+            yield ConvSpelling(shift=self.shift, column=column, reduce=reduce, upcast=upcast)
 
     def replacements(self) -> Iterator[Replacement]:
         for spelling in self.spellings():
             for bias, activation in itertools.product((False, True), ACTIVATIONS):
                 words = f"{self.formulation} ({spelling.words()}"
                 words += f", {'bias, ' if bias else ''}{activation})"
-                yield Replacement(words, window_update(spelling, bias, activation),
-                                  fused_window_update(spelling, bias, activation),
-                                  window_example(spelling, bias),
-                                  spelling.needs(activation) | self.write_back_ops())  # fmt: skip
+                yield Replacement(
+                    words=words,
+                    search=window_update(spelling, bias, activation),
+                    replace=fused_window_update(spelling, bias, activation),
+                    example=window_example(spelling, bias),
+                    needs=spelling.needs(activation) | self.write_back_ops(),
+                )
 
     def check(self, match: Match) -> bool:
         """As the shared check, and the window exactly W wide: a ``[B, D, 1]`` x, a state

@@ -60,16 +60,30 @@ class ConvUpdateTransformersPass(ConvFormulationPass):
     def replace(self, bias: bool, activation: str) -> SearchFn:
         def replace(x: Tensor, conv_state: Tensor, weight: Tensor, *rest: Tensor):
             b = rest[0] if rest else None
-            y, new_state = fused_update(x.transpose(1, 2), conv_state, weight, b, activation)
+            y, new_state = fused_update(
+                tokens=x.transpose(1, 2),
+                conv_state=conv_state,
+                weight=weight,
+                bias=b,
+                activation=activation,
+            )
             return y.transpose(1, 2), new_state
 
         return with_signature(replace, bias)
 
     def replacements(self) -> Iterator[Replacement]:
         for dtype, bias, activation in itertools.product(DTYPES, (False, True), ACTIVATIONS):
-            example = [torch.empty(2, 8, 1, dtype=dtype), torch.empty(2, 8, 4, dtype=dtype),
-                       torch.empty(8, 4, dtype=dtype)]  # fmt: skip
+            example = [
+                torch.empty(2, 8, 1, dtype=dtype),
+                torch.empty(2, 8, 4, dtype=dtype),
+                torch.empty(8, 4, dtype=dtype),
+            ]
             example += [torch.empty(8, dtype=dtype)] if bias else []
             words = f"{self.formulation} ({'bias, ' if bias else ''}{activation})"
-            yield Replacement(words, self.search(bias, activation), self.replace(bias, activation),
-                              example, NEEDS | self.write_back_ops())  # fmt: skip
+            yield Replacement(
+                words=words,
+                search=self.search(bias, activation),
+                replace=self.replace(bias, activation),
+                example=example,
+                needs=NEEDS | self.write_back_ops(),
+            )

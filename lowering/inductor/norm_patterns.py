@@ -46,14 +46,23 @@ GATES: dict[str, tuple[Callable[[Tensor], Tensor], str]] = {
     "silu": (F.silu, "silu"),
     "x*sigmoid": (lambda g: g * torch.sigmoid(g), "silu"),
 }
-ROOT_OPS = {"rsqrt": {aten.rsqrt.default}, "reciprocal": {aten.reciprocal.default},
-            "divide": {aten.sqrt.default, aten.div.Tensor}}  # fmt: skip
-GATE_OPS = {"sigmoid": aten.sigmoid.default, "silu": aten.exp.default,
-            "x*sigmoid": aten.sigmoid.default}  # fmt: skip
+ROOT_OPS = {
+    "rsqrt": {aten.rsqrt.default},
+    "reciprocal": {aten.reciprocal.default},
+    "divide": {aten.sqrt.default, aten.div.Tensor},
+}
+GATE_OPS = {
+    "sigmoid": aten.sigmoid.default,
+    "silu": aten.exp.default,
+    "x*sigmoid": aten.sigmoid.default,
+}
 # (x dtype, weight dtype) traced; float16 traces as bfloat16 does (dtypes are wildcards in
 # the first match, and the match is traced again in the model's dtypes)
-EXAMPLE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                  (torch.bfloat16, torch.float32))  # fmt: skip
+EXAMPLE_DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+)
 # the spellings of known modules, for the log
 KNOWN = {
     ("rsqrt", "rounded"): "Qwen3NextRMSNormGated",
@@ -77,8 +86,10 @@ class NormSpelling:
 
     def words(self) -> str:
         known = KNOWN.get((self.root, self.weight))
-        return (f"gated RMSNorm ({self.root}, weight on {self.weight} normed x, {self.gate} "
-                f"gate{f': {known}' if known else ''})")  # fmt: skip
+        return (
+            f"gated RMSNorm ({self.root}, weight on {self.weight} normed x, {self.gate} "
+            f"gate{f': {known}' if known else ''})"
+        )
 
     def needs(self, dtype: torch.dtype) -> frozenset[object]:
         """Ops every graph of this spelling calls (after the decompositions)."""
@@ -136,7 +147,17 @@ def norm_replacements() -> Iterator[Replacement]:
     """Every spelling, for every traced (x dtype, weight dtype)."""
     for spelling in spellings():
         for dtype, weight_dtype in EXAMPLE_DTYPES:
-            example = [torch.empty(2, 8, dtype=dtype), torch.empty(2, 8, dtype=dtype),
-                       torch.empty(8, dtype=weight_dtype), EXAMPLE_EPS]  # fmt: skip
+            example = [
+                torch.empty(2, 8, dtype=dtype),
+                torch.empty(2, 8, dtype=dtype),
+                torch.empty(8, dtype=weight_dtype),
+                EXAMPLE_EPS,
+            ]
             search, replace = gated_rms_norm(spelling), fused_norm(spelling.activation)
-            yield Replacement(spelling.words(), search, replace, example, spelling.needs(dtype))
+            yield Replacement(
+                words=spelling.words(),
+                search=search,
+                replace=replace,
+                example=example,
+                needs=spelling.needs(dtype),
+            )

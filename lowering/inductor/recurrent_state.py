@@ -60,7 +60,7 @@ class RecurrentStatePass(KDAInductorPass):
         for node in list(graph.find_nodes(op="call_function", target=FUNCTIONAL)):
             args, items = _bound_args(node), _getitems(node)
             if 1 in items and _written_back(items[1], args["initial_state"]):
-                self._rewrite(graph, node, args, items)
+                self._rewrite(graph=graph, node=node, args=args, items=items)
                 count += 1
         return count
 

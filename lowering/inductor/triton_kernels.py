@@ -90,7 +90,7 @@ def _conv_prefill_fits(args: Arguments) -> bool:
 
 def _grouped(args: Arguments, kind: type) -> Any:
     """The op's arguments of a ``kda_ops.signature`` type's fields, as that type."""
-    return kind(*(args[name] for name in kind._fields))
+    return kind(**{name: args[name] for name in kind._fields})
 
 
 def _chunk_fits(args: Arguments) -> bool:
@@ -105,30 +105,50 @@ def _chunk_fits(args: Arguments) -> bool:
     batch, length, value_heads, head_v = inputs.v.shape
     if not all(isinstance(size, int) for size in (batch, length)):
         return True
-    segments = recurrence_segments(batch, length, value_heads, head_v, args["cu_seqlens"],
-                                   inputs.v.device)  # fmt: skip
+    segments = recurrence_segments(
+        batch=batch,
+        length=length,
+        value_heads=value_heads,
+        head_v=head_v,
+        cu_seqlens=args["cu_seqlens"],
+        device=inputs.v.device,
+    )
     return segments == 1
 
 
 def _gated_rms_norm_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.gated_norm import gated_rms_norm_launch
 
-    return gated_rms_norm_launch(args["x"], args["gate"], args["weight"], args["eps"],
-                                 args["activation"]).plan()  # fmt: skip
+    return gated_rms_norm_launch(
+        x=args["x"],
+        gate=args["gate"],
+        weight=args["weight"],
+        eps=args["eps"],
+        activation=args["activation"],
+    ).plan()
 
 
 def _gate_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.gate import gate_launch
 
-    return gate_launch(args["g"], args["A_log"], args["dt_bias"], args["lower_bound"]).plan()
+    return gate_launch(
+        g=args["g"], A_log=args["A_log"], dt_bias=args["dt_bias"], lower_bound=args["lower_bound"]
+    ).plan()
 
 
 def _conv_step_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.conv.step import step_launch
 
     state = args["conv_state"]
-    return step_launch(args["x"], args["weight"], args["bias"], state, state,
-                       args["state_indices"], args["activation"]).plan()  # fmt: skip
+    return step_launch(
+        x=args["x"],
+        weight=args["weight"],
+        bias=args["bias"],
+        state_in=state,
+        state_out=state,
+        state_indices=args["state_indices"],
+        activation=args["activation"],
+    ).plan()
 
 
 def _conv_prefill_plan(args: Arguments) -> LaunchPlan:
@@ -138,27 +158,45 @@ def _conv_prefill_plan(args: Arguments) -> LaunchPlan:
     cu_seqlens = args["cu_seqlens"]
     n_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     # The op's final state: the initial state's dtype, else x's.
-    final = x.new_empty(n_seqs, x.shape[2], weight.shape[1] - 1,
-                        dtype=x.dtype if state is None else state.dtype)  # fmt: skip
+    final = x.new_empty(
+        n_seqs, x.shape[2], weight.shape[1] - 1, dtype=x.dtype if state is None else state.dtype
+    )
     if state is not None:
         state = state.contiguous()
-    return prefill_plan(x, weight, args["bias"], state, final, None, cu_seqlens,
-                        args["activation"])  # fmt: skip
+    return prefill_plan(
+        x=x,
+        weight=weight,
+        bias=args["bias"],
+        state_in=state,
+        state_out=final,
+        state_indices=None,
+        cu_seqlens=cu_seqlens,
+        activation=args["activation"],
+    )
 
 
 def _chunk_plan(args: Arguments) -> LaunchPlan:
     from kda_ops.kernels.chunk.launch import chunk_plan
 
-    return chunk_plan(_grouped(args, DeltaRuleInputs), args["initial_state"], args["cu_seqlens"],
-                      _grouped(args, DeltaRuleOptions))  # fmt: skip
+    return chunk_plan(
+        inputs=_grouped(args, DeltaRuleInputs),
+        initial_state=args["initial_state"],
+        cu_seqlens=args["cu_seqlens"],
+        options=_grouped(args, DeltaRuleOptions),
+    )
 
 
 def _recurrent_plan(args: Arguments, state_in: Optional[Tensor], state_out: Tensor) -> LaunchPlan:
     from kda_ops.kernels.recurrent import recurrent_launch
 
-    return recurrent_launch(_grouped(args, DeltaRuleInputs), state_in, state_out,
-                            args.get("state_indices"), args["cu_seqlens"],
-                            _grouped(args, DeltaRuleOptions)).plan()  # fmt: skip
+    return recurrent_launch(
+        inputs=_grouped(args, DeltaRuleInputs),
+        state_in=state_in,
+        state_out=state_out,
+        state_indices=args.get("state_indices"),
+        cu_seqlens=args["cu_seqlens"],
+        options=_grouped(args, DeltaRuleOptions),
+    ).plan()
 
 
 def _recurrent_functional_plan(args: Arguments) -> LaunchPlan:
@@ -204,8 +242,7 @@ the op's output and the mutated argument's new value, which the launch writes in
 
 
 def _values(args: Arguments) -> Arguments:
-    return {name: v.meta["val"] if isinstance(v, torch.fx.Node) else v
-            for name, v in args.items()}  # fmt: skip
+    return {name: v.meta["val"] if isinstance(v, torch.fx.Node) else v for name, v in args.items()}
 
 
 def _arguments(node: torch.fx.Node) -> tuple[Optional[Lowering], Arguments]:
@@ -213,8 +250,9 @@ def _arguments(node: torch.fx.Node) -> tuple[Optional[Lowering], Arguments]:
     if node.target is auto_functionalized:
         op = node.args[0]
         return INPLACE_LOWERINGS.get(op), dict(node.kwargs)
-    bound = normalize_function(node.target, node.args, node.kwargs,
-                               normalize_to_only_use_kwargs=True)  # fmt: skip
+    bound = normalize_function(
+        node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True
+    )
     return LOWERINGS.get(node.target), bound.kwargs
 
 
@@ -249,8 +287,11 @@ class TritonKernelsPass(PatternPass):
             return
         for target in (*LOWERINGS, auto_functionalized):
             words = "an in-place op" if target is auto_functionalized else target._schema.name
-            register_graph_pattern(CallFunctionVarArgs(target), pass_dict=patterns,
-                                   extra_check=self.logged(words, _fits))(_replace)  # fmt: skip
+            register_graph_pattern(
+                CallFunctionVarArgs(target),
+                pass_dict=patterns,
+                extra_check=self.logged(words, _fits),
+            )(_replace)
 
     def uuid(self) -> str:
         """Hash of this file, the base and the launch planning it traces: a cached graph
@@ -260,5 +301,16 @@ class TritonKernelsPass(PatternPass):
         from kda_ops.kernels.chunk import recurrence as chunk_recurrence
         from kda_ops.kernels.conv import forward, step
 
-        return source_hash(type(self), KDAInductorPass, launches, gated_norm, gate, recurrent,
-                           step, forward, launch, planning, chunk_recurrence)  # fmt: skip
+        return source_hash(
+            type(self),
+            KDAInductorPass,
+            launches,
+            gated_norm,
+            gate,
+            recurrent,
+            step,
+            forward,
+            launch,
+            planning,
+            chunk_recurrence,
+        )
