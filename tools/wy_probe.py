@@ -41,10 +41,10 @@ CASES = [
 ]
 LAUNCHES = [
     {},  # as planned
-    {"pair_stages": 2},
-    {"pair_stages": 1, "stages": 1},
+    {"pair_step": 64},
     {"pair_step": 32},
-    {"pair_step": 64, "pair_stages": 1},
+    {"warps": 8},
+    {"pair_step": 64, "pair_stages": 2},
 ]
 
 
