@@ -63,7 +63,16 @@ def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_bet
     part comes from the block's share of P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ)
     as ``rowsum(P) - colsum(P)``: each term enters at its row and, negated, at its column
     from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
-    diagonal, whose two ends are one term, is left out)."""
+    diagonal, whose two ends are one term, is left out).
+
+    Open fault (H100, Triton 3.6, bf16; ``tools/fuzz.py --seed 0 --index 3`` under
+    compute-sanitizer memcheck): "Invalid __shared__ read of size 512 bytes" at this
+    function's call in the pair loop, address 0x3ab80, past the kernel's allocation: with the
+    pair loop's 2 stages and with 1 alike (``PAIR_STAGES``), so not its pipelining. A kernel
+    of the forward recurrence's loop with no kda_ops code (``tools/triton_repro_32cols.py``)
+    is wrong or faults at narrow dot widths (16 or 32 columns) with 4 warps at one stage,
+    and exact at 64 columns: untried here, ``PAIR_STEP`` 64 or 8 warps
+    (``tools/wy_probe.py`` runs those variants)."""
     k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
     a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
     d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
