@@ -71,8 +71,12 @@ def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_bet
     pair loop's 2 stages and with 1 alike (``PAIR_STAGES``), so not its pipelining. A kernel
     of the forward recurrence's loop with no kda_ops code (``tools/triton_repro_32cols.py``)
     is wrong or faults at narrow dot widths (16 or 32 columns) with 4 warps at one stage,
-    and exact at 64 columns: untried here, ``PAIR_STEP`` 64 or 8 warps
-    (``tools/wy_probe.py`` runs those variants)."""
+    and exact at 64 columns: untried here, ``PAIR_STEP`` 64, 8 warps or 2 (FLA's fix for
+    its own WY backward on Hopper, fla-org/flash-linear-attention#984), and a newer ptxas
+    (``tools/device_run.sh``'s PTXAS): Triton 3.6 bundles ptxas 12.8.93, which FLA found
+    generating wrong shared-memory addresses in Hopper kernels of this family, where 13.1
+    is correct (fla-org/flash-linear-attention#1262, triton-lang/triton#11366).
+    ``tools/wy_probe.py`` runs those variants."""
     k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
     a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
     d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
