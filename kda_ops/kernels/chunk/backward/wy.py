@@ -65,18 +65,11 @@ def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_bet
     from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
     diagonal, whose two ends are one term, is left out).
 
-    Open fault (H100, Triton 3.6, bf16; ``tools/fuzz.py --seed 0 --index 3`` under
-    compute-sanitizer memcheck): "Invalid __shared__ read of size 512 bytes" at this
-    function's call in the pair loop, address 0x3ab80, past the kernel's allocation: with the
-    pair loop's 2 stages and with 1 alike (``PAIR_STAGES``), so not its pipelining. A kernel
-    of the forward recurrence's loop with no kda_ops code (``tools/triton_repro_32cols.py``)
-    is wrong or faults at narrow dot widths (16 or 32 columns) with 4 warps at one stage,
-    and exact at 64 columns: untried here, ``PAIR_STEP`` 64, 8 warps or 2 (FLA's fix for
-    its own WY backward on Hopper, fla-org/flash-linear-attention#984), and a newer ptxas
-    (``tools/device_run.sh``'s PTXAS): Triton 3.6 bundles ptxas 12.8.93, which FLA found
-    generating wrong shared-memory addresses in Hopper kernels of this family, where 13.1
-    is correct (fla-org/flash-linear-attention#1262, triton-lang/triton#11366).
-    ``tools/wy_probe.py`` runs those variants."""
+    The pair loop takes 64 key columns a step (``WyLaunch.pair_step``): at 16 or 32 with 4
+    warps, Triton 3.6's bundled ptxas (12.8.93) assembles it wrong or faulting on Hopper
+    (``benchmarks/results/wy_probe_ptxas_h100.log``: exact with CUDA 13.4's ptxas at every
+    step; with the bundled one, steps of 64 and 2-warp launches pass, narrower steps do
+    not; triton-lang/triton#11366)."""
     k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
     a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
     d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
@@ -287,7 +280,7 @@ class WyLaunch(NamedTuple):
     key_step: int
     warps: int
     stages: int
-    pair_step: int = 16
+    pair_step: int = 64
     pair_stages: int = 1
 
 
