@@ -124,7 +124,7 @@ def test_training_gradients_against_float64_reference(pregated, varlen):
     state = torch.randn(3 if varlen else 1, 4, 128, 128, device="cuda")
     grad_o = torch.randn_like(x["v"])
     grad_state = torch.randn_like(state)
-    kwargs = dict(options, cu_seqlens=cu_seqlens)
+    kwargs = dict(options, cu_seqlens=cu_seqlens, output_final_state=True)
     grads = chunk_kda_grads(kda_ops.chunk_kda, x, state, grad_o, grad_state, **kwargs)
     expected = chunk_kda_grads(kda_ops.chunk_kda, float64(x), state.double(), grad_o.double(),
                                grad_state.double(), **kwargs)  # fmt: skip
