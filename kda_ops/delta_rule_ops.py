@@ -214,14 +214,17 @@ chunk_train_op = define_op("kda::chunk_train", chunk_train_reference)
 def _(inputs, initial_state, cu_seqlens, options, keep_rows):
     o, final = _delta_rule_fake(inputs, initial_state, cu_seqlens, options)
     q, v = inputs.q, inputs.v
-    return o, final, saved_like(q, v, cu_seqlens, keep_rows) if _keeps_saved(inputs) else []
+    if not _keeps_saved(inputs):
+        return o, final, []
+    return o, final, saved_like(q, v, cu_seqlens, keep_rows, scalar_gate=inputs.g.dim() == 3)
 
 
-def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool) -> list[Tensor]:
+def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool,
+               scalar_gate: bool) -> list[Tensor]:  # fmt: skip
     """Empty tensors shaped as ``kda::chunk_train``'s saved outputs on the Triton path
     (``kernels.chunk.backward.saved.SavedForBackward``; its rows w, u, qg, kd only with
-    ``keep_rows``)."""
-    saved = list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens)))
+    ``keep_rows``; G one a row for a ``scalar_gate``)."""
+    saved = list(empty_saved(q, v, _chunk_state_rows(q, cu_seqlens), scalar_gate))
     return saved if keep_rows else saved[: -len(ROWS)]
 
 

@@ -201,9 +201,10 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
                                       USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
         local_rows = tl.cumsum(g_rows, axis=0)
         block_decay = tl.sum(g_rows, axis=0)
-        if cum_g is not None:
-            cum_rows = decay_before[None, :] + local_rows[:, None]
-            tl.store(cum_g + rows, cum_rows, mask=mask)
+        if cum_g is not None:  # one a row: [B, T, HV]
+            # decay_before holds the one value in every column (padding included).
+            cum_rows = tl.max(decay_before, axis=0) + local_rows
+            tl.store(cum_g + tokens * HV + i_hv, cum_rows, mask=in_seq)
     else:
         b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
                             SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip

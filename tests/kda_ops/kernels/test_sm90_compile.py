@@ -47,6 +47,7 @@ from kda_ops.kernels.sizes import SM90_SHARED_MEMORY, cdiv
 from tests.sweeps import sweep
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
+WY_TUNED = wy_launch(128, 128, 2)  # the bf16 launch at K = V = 128
 CONV = dict(D=4096, W=4, BD=128, BN=8, BW=4, HAS_BIAS=True, SILU=True)
 GATE = dict(HV=32, K=128, BK=128, ROWS=64, HAS_DT_BIAS=True)
 PREPARE = dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BN=1, SCALAR_GATE=False,
@@ -90,6 +91,7 @@ def ds_scan(value_columns: int) -> tuple:
         HAS_INITIAL_STATE=False,
         IS_VARLEN=False,
         DOT_PRECISION="tf32",
+        SCALAR_GATE=False,
     )
     types = {name: "*bf16" for name in ("w", "qg", "kd", "aqk", "grad_o", "dstates")}
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
@@ -179,12 +181,19 @@ VARIANTS = {  # name: (module in kda_ops.kernels, kernel, constexprs[, argument 
                                                     USE_LOWER_BOUND=safe, CHUNKS=chunks))
         for safe, chunks in ((True, "all"), (False, "bounded"), (False, "unbounded"))
     },
-    # the WY kernel, with the l2norm factors the prepare stored
-    "chunk_bwd_wy_kernel": ("chunk.backward.wy", "chunk_bwd_wy_kernel",
-                            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32,
-                                 BK_STEP=32, BN=1, CHUNK=64, USE_L2NORM=True,
-                                 USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                                 DOT_PRECISION="tf32")),
+    # the WY kernel, with the l2norm factors the prepare stored; with the scalar gate it
+    # also takes the pair terms
+    **{
+        f"chunk_bwd_wy_kernel/scalar_gate={scalar}": (
+            "chunk.backward.wy", "chunk_bwd_wy_kernel",
+            dict(H=32, HV=32, K=128, V=128, BK=128, BV=128, BV_STEP=32, BK_STEP=32, BN=1,
+                 CHUNK=64, USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
+                 DOT_PRECISION="tf32", SCALAR_GATE=scalar, PAIR_STEP=WY_TUNED.pair_step,
+                 PAIR_STAGES=WY_TUNED.pair_stages),
+            {}, {"num_warps": WY_TUNED.warps, "num_stages": WY_TUNED.stages},
+        )
+        for scalar in (False, True)
+    },
     # the pairs kernel, one program a row block, in each of its launches
     **{
         f"chunk_bwd_pairs_kernel/{chunks}": (
@@ -283,7 +292,7 @@ def backward_scan(head_k: int, head_v: int, dtype: str, sequence_heads: int) -> 
                                   run_ahead=False)  # fmt: skip
     constexprs = dict(HV=32, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=64,
                       HAS_INITIAL_STATE=True, IS_VARLEN=False,
-                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
+                      DOT_PRECISION=_dot_precision(dtype), SCALAR_GATE=False)  # fmt: skip
     types = _typed(dtype, "w", "qg", "kd", "aqk", "grad_o", "dstates")
     types.update(grad_final_state="*fp32", grad_initial_state="*fp32")
     return ("chunk.backward.state", "chunk_bwd_state_kernel", constexprs, types,
@@ -297,7 +306,8 @@ def wy(head_k: int, head_v: int, dtype: str) -> tuple:
     constexprs = dict(H=32, HV=32, K=head_k, V=head_v, BK=block_k, BV=block_v,
                       BV_STEP=launch.value_step, BK_STEP=launch.key_step, BN=1, CHUNK=64,
                       USE_L2NORM=True, USE_BETA_SIGMOID=True, IS_VARLEN=False,
-                      DOT_PRECISION=_dot_precision(dtype))  # fmt: skip
+                      DOT_PRECISION=_dot_precision(dtype), SCALAR_GATE=False,
+                      PAIR_STEP=launch.pair_step, PAIR_STAGES=launch.pair_stages)  # fmt: skip
     types = _typed(dtype, "q", "k", "v", "beta", "w", "chunk_states", "dstates", "grad_o",
                    "v_new_rows", "d_ru_rows", "dv")  # fmt: skip
     low = "*fp32" if dtype == "fp32" else f"*{dtype}"  # fp32 inputs: no low-precision tiles
@@ -446,7 +456,8 @@ REPRESENTATIVE = [
     "chunk_prepare_kernel/all",
     "chunk_recurrence_kernel/bf16/columns=64",
     "chunk_bwd_prepare_kernel/all",
-    "chunk_bwd_wy_kernel",
+    "chunk_bwd_wy_kernel/scalar_gate=False",
+    "chunk_bwd_wy_kernel/scalar_gate=True",
     "chunk_bwd_pairs_kernel/all",
     "chunk_bwd_gate_kernel/scalar_gate=False",
     "chunk_bwd_recompute_kernel/scalar_gate=False",
@@ -527,7 +538,7 @@ def test_launches_up_to_128_columns_as_tuned():
         for block_v in (16, 32, 64, 128):
             for itemsize, stages in ((2, 2), (4, 1)):
                 launch = wy_launch(block, block_v, itemsize)
-                assert launch == (min(block_v, 32), min(block, 32), 4, stages)
+                assert launch == (min(block_v, 32), min(block, 32), 4, stages, 16, 1)
     assert [rebuild_blocks(k) for k in (16, 60, 64, 100, 128)] == [
         (1, 16), (1, 64), (1, 64), (2, 64), (2, 64)]  # fmt: skip
 

@@ -16,6 +16,9 @@ row), ``A = tril(β (K̂ ⊙ Γ)(K̂ / Γ)ᵀ, -1)``, ``T = (I + A)⁻¹``, ``w 
 2. ``state.py``: ``chunk_bwd_state_kernel``, the reverse scan over the chunks carrying dS.
 3. ``wy.py``: ``chunk_bwd_wy_kernel``, everything that goes through S, dS' and T.
 4. ``pairs.py``: ``chunk_bwd_pairs_kernel``, the pair terms of A and Aqk by 16-row blocks.
+   Not for the scalar (Gated DeltaNet) gate: one decay a row scales whole entries of the
+   ``[C, C]`` matrices (E_ij = e^{G_i - G_j}), so its pair terms are plain products that
+   kernel 3 takes in its key loop, and G, dG are one a row (``[B, T, HV]``), not K wide.
 5. ``gate.py``: ``chunk_bwd_gate_kernel``, the gate's backward and dβ.
 6. ``qk.py``: ``chunk_bwd_qk_kernel``, dq and dk through the l2norm.
 

@@ -83,13 +83,14 @@ def chunk_bwd_gate_kernel(
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c, value head i_hv and the BK key columns of block i_k: from the
-    complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``) the gate's backward: dg, the
+    complete dG (``d_cum_rows``, fp32 ``[B, T, HV, K]``; ``[B, T, HV]`` for the scalar
+    gate, whose one program a chunk takes every column) the gate's backward: dg, the
     reverse cumsum of dG inside the chunk (G_i = Σ_{s <= i} g_s) through the gate
-    activation (g's dtype and shape; for the scalar gate this block's share, fp32 ``[B, T,
-    HV, N_K]``), and at row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d
-    dt_bias (``[.., K]``, or ``[.., N_K]`` for the scalar gate). Block 0 also completes the
-    chunk's dβ (``_finish_dbeta``)."""
-    N_K = (K + BK - 1) // BK
+    activation (g's dtype and shape; fp32 ``[B, T, HV, 1]`` for the scalar gate), and at
+    row ``i_c * HV + i_hv`` the shares of dA_log (``[.., N_K]``) and d dt_bias (``[.., K]``,
+    or ``[.., 1]`` for the scalar gate). Block 0 also completes the chunk's dβ
+    (``_finish_dbeta``)."""
+    N_K: tl.constexpr = 1 if SCALAR_GATE else (K + BK - 1) // BK
     i_c, i_k, i_hv = tl.program_id(0) // N_K, tl.program_id(0) % N_K, tl.program_id(1)
     start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
                                     IS_VARLEN)  # fmt: skip
@@ -101,7 +102,11 @@ def chunk_bwd_gate_kernel(
     offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < K
     offsets = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
-    d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
+    if SCALAR_GATE:  # one dG a row (the WY kernel summed its key columns)
+        d_cum = tl.load(d_cum_rows + tokens * HV + i_hv, mask=rows_in, other=0.0)
+        d_cum = d_cum[:, None] + tl.zeros([1, BK], dtype=tl.float32)
+    else:
+        d_cum = tl.load(d_cum_rows + offsets, mask=rows_in[:, None] & mask_k[None, :], other=0.0)
     if USE_GATE:
         x = _gate_input(g, dt_bias, tokens, rows_in, i_hv, HV, K, offs_k, BK, SCALAR_GATE,
                         HAS_DT_BIAS)  # fmt: skip
@@ -111,11 +116,8 @@ def chunk_bwd_gate_kernel(
         _finish_dbeta(beta, dbeta_rows, dbeta_part, dbeta, tokens, rows_in, i_hv, HV, N_SHARES,
                       USE_BETA_SIGMOID)  # fmt: skip
     d_raw = tl.cumsum(d_cum, axis=0, reverse=True)
-    if SCALAR_GATE:  # one gate shared by the K channels: this program's share of them
-        d_raw = tl.sum(tl.where(mask_k[None, :], d_raw, 0.0), axis=1)[:, None] + tl.zeros(
-            [1, BK], dtype=tl.float32
-        )
-        channel = tl.arange(0, BK) == 0  # the column that stands for the raw gate
+    if SCALAR_GATE:  # every column holds the row's one gate: the first stands for it
+        channel = tl.arange(0, BK) == 0
     else:
         channel = mask_k
     if USE_GATE:
@@ -149,16 +151,25 @@ def gate_columns(block_k: int, device: torch.device) -> int:
     return key_columns(block_k, GATE_COLUMNS, device)
 
 
+def gate_blocks(head_k: int, layout: Layout, device: torch.device) -> int:
+    """Key-column blocks of ``chunk_bwd_gate_kernel``: of ``gate_columns`` each, one for
+    the scalar gate (its dG comes one a row)."""
+    if layout.flags["SCALAR_GATE"]:
+        return 1
+    return cdiv(head_k, gate_columns(layout.block_k, device))
+
+
 def launch_gate_backward(g, A_log, dt_bias, beta, cu_seqlens, d_cum, dbeta_rows, dbeta_part,
-                         lower, length, layout: Layout, dg, dA_log_part, ddt_part,
-                         dbeta) -> None:  # fmt: skip
-    """``chunk_bwd_gate_kernel`` over every key-column block, chunk and value head; dβ's
-    shares (``dbeta_part``) one a column block of the pairs kernel."""
-    value_heads, head_k = d_cum.shape[2], d_cum.shape[3]
+                         lower, length, layout: Layout, dg, dA_log_part, ddt_part, dbeta,
+                         head_k: int) -> None:  # fmt: skip
+    """``chunk_bwd_gate_kernel`` over every key-column block (``gate_blocks``), chunk and
+    value head; dβ's shares (``dbeta_part``) one a column block of the pairs kernel
+    (none for the scalar gate, whose pair terms the WY kernel adds)."""
+    value_heads = dbeta_rows.shape[2]
     n_seqs, offsets, n_chunks, flags = (layout.n_seqs, layout.chunk_offsets, layout.n_chunks,
                                         layout.flags)  # fmt: skip
     gate_k = gate_columns(layout.block_k, d_cum.device)
-    n_gate_k, n_pair_k = cdiv(head_k, gate_k), dbeta_part.shape[-1]
+    n_gate_k, n_pair_k = gate_blocks(head_k, layout, d_cum.device), dbeta_part.shape[-1]
     chunk_bwd_gate_kernel[(n_chunks * n_gate_k, value_heads)](
         g, A_log, dt_bias, beta, cu_seqlens, offsets, d_cum, dbeta_rows, dbeta_part, lower,
         length, n_seqs, dg, dA_log_part, ddt_part, dbeta,

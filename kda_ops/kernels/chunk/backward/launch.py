@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_ops.kernels.chunk.backward.gate import gate_columns, launch_gate_backward
+from kda_ops.kernels.chunk.backward.gate import gate_blocks, launch_gate_backward
 from kda_ops.kernels.chunk.backward.layout import plan_layout
 from kda_ops.kernels.chunk.backward.pairs import launch_pairs, pair_columns
 from kda_ops.kernels.chunk.backward.prepare import prepare_backward, scan_saved
@@ -114,20 +114,25 @@ def launch_chunk_kda_backward(
     else:
         v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     del qg, kd
-    # dA and scale·dAqk (fp32) over T and Aqk (read no more) unless another backward may
-    # need them; over Aqk only where it is fp32 (it is kept in the dot dtype).
-    d_a_tiles = solve if owns_saved else torch.empty_like(solve)
-    d_aqk_tiles = aqk if owns_saved and aqk.dtype == torch.float32 else torch.empty_like(solve)
+    scalar_gate = g.dim() == 3
+    # dA and scale·dAqk (fp32) for the pairs kernel, over T and Aqk (read no more) unless
+    # another backward may need them; over Aqk only where it is fp32 (it is kept in the dot
+    # dtype). The scalar gate's pair terms stay in the WY kernel: no tiles.
+    d_a_tiles = d_aqk_tiles = d_a_low = d_aqk_low = None
+    if not scalar_gate:
+        d_a_tiles = solve if owns_saved else torch.empty_like(solve)
+        d_aqk_tiles = (aqk if owns_saved and aqk.dtype == torch.float32
+                       else torch.empty_like(solve))  # fmt: skip
     # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
     # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
     # pairs kernel reads every tile from the fp32 buffers.
-    if q.dtype == torch.float32:
-        d_a_low = d_aqk_low = None
-        pair_low_tiles = (d_aqk_tiles, d_a_tiles)
-    else:
+    pair_low_tiles = (d_aqk_tiles, d_a_tiles)
+    if not scalar_gate and q.dtype != torch.float32:
         d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
         pair_low_tiles = (d_aqk_low, d_a_low)
-    dq_hat, dk_hat, d_cum = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(3))
+    dq_hat, dk_hat = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(2))
+    # dG: one a row for the scalar gate (the WY kernel sums the key columns).
+    d_cum = torch.empty(*tokens_shape, *(() if scalar_gate else (head_k,)), **f32)
     dv = torch.empty_like(v)
     dbeta_rows = torch.empty(*tokens_shape, **f32)
     launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states, dstates, grad_o,
@@ -138,22 +143,22 @@ def launch_chunk_kda_backward(
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
 
     # The pairs and the gate kernels split the key columns (each its N_K blocks): the sums
-    # over them come back as shares (the pairs kernel's dβ; the gate kernel's dA_log and,
-    # for the scalar gate, its dg and d dt_bias).
-    pair_k, gate_k = pair_columns(block_k, q.device), gate_columns(block_k, q.device)
-    n_pair_k, n_gate_k = cdiv(head_k, pair_k), cdiv(head_k, gate_k)
-    scalar_gate = g.dim() == 3
-    dg = torch.empty(*tokens_shape, n_gate_k, **f32) if scalar_gate else torch.empty_like(g)
+    # over them come back as shares (the pairs kernel's dβ; the gate kernel's dA_log).
+    n_pair_k = 0 if scalar_gate else cdiv(head_k, pair_columns(block_k, q.device))
+    n_gate_k = gate_blocks(head_k, layout, q.device)
+    dg = torch.empty(*tokens_shape, 1, **f32) if scalar_gate else torch.empty_like(g)
     dbeta_part = torch.empty(*tokens_shape, n_pair_k, **f32)
     # Chunks' shares of the gate-parameter gradients; rows of absent varlen chunks stay 0.
     dA_log_part = torch.zeros(n_chunks, value_heads, n_gate_k, **f32)
     ddt_part = torch.zeros(n_chunks, value_heads, n_gate_k if scalar_gate else head_k, **f32)
-    launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-                 pair_low_tiles, unbounded, length, layout, dq_hat, dk_hat, d_cum,
-                 dbeta_part)  # fmt: skip
+    if not scalar_gate:
+        launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
+                     pair_low_tiles, unbounded, length, layout, dq_hat, dk_hat, d_cum,
+                     dbeta_part)  # fmt: skip
     dbeta = torch.empty_like(beta)
     launch_gate_backward(g, A_log, dt_bias, beta, cu_seqlens, d_cum, dbeta_rows, dbeta_part,
-                         lower, length, layout, dg, dA_log_part, ddt_part, dbeta)  # fmt: skip
+                         lower, length, layout, dg, dA_log_part, ddt_part, dbeta,
+                         head_k=head_k)  # fmt: skip
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):

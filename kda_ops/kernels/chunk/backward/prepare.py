@@ -41,7 +41,8 @@ def chunk_bwd_prepare_kernel(
 ):  # fmt: skip
     """The forward's prepare (``prepare_chunks``: w, qg, kd in q's dtype, u in v's, the
     chunk's total log-decay) with what the backward also reads, for the tokens of chunk
-    i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``), at ``[i_c, i_hv]`` of
+    i_c and value head i_hv: cum_g (fp32 ``[B, T, HV, K]``, ``[B, T, HV]`` for the scalar
+    gate), at ``[i_c, i_hv]`` of
     ``[n_chunks, HV, C, C]`` Aqk in q's dtype (causal part only; blocks above the
     diagonal are left unwritten) and fp32 T (likewise); with ``USE_L2NORM`` the inverse
     norms of the q and k rows (fp32 ``[B, T, HV]``) for the WY and pairs kernels, which
@@ -65,7 +66,7 @@ def prepare_backward(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     scale, lower_bound = options.scale, options.lower_bound
     _, length, heads, head_k = q.shape
     value_heads = v.shape[2]
-    saved = empty_saved(q, v, layout.n_chunks, with_g)
+    saved = empty_saved(q, v, layout.n_chunks, layout.flags["SCALAR_GATE"], with_g)
     # Without the safe gate the prepare kernel flags (``unbounded``) the chunks that decay
     # past the pairs kernel's dense limit; the pairs kernel then runs twice, dense and
     # dyadic chunks. As in the forward, without the safe gate a first launch takes every

@@ -39,12 +39,13 @@ def chunk_bwd_recompute_kernel(
     HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, USE_L2NORM: tl.constexpr,
     USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """G (fp32) and w, qg, kd (input dtype) of chunk i_c and value head i_hv (notation in
-    ``backward/__init__.py``; ``[B, T, HV, K]``) from the raw inputs and kernel 1's T,
-    without the solve, for key columns block i_s (BK wide, the last possibly past K,
-    masked): G as the forward's gate activation and a 64-row cumsum (the forward sums by
-    16-row blocks: the same to fp32 rounding), ``w = T β (K̂ ⊙ Γ)`` as a 64-row product,
-    ``qg = scale Q̂ ⊙ Γ``, ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm factors
+    """G (fp32; ``[B, T, HV]`` for the scalar gate) and w, qg, kd (input dtype) of chunk
+    i_c and value head i_hv (notation in ``backward/__init__.py``; ``[B, T, HV, K]``) from
+    the raw inputs and kernel 1's T, without the solve, for key columns block i_s (BK
+    wide, the last possibly past K, masked): G as the forward's gate activation and a
+    64-row cumsum (the forward sums by 16-row blocks: the same to fp32 rounding),
+    ``w = T β (K̂ ⊙ Γ)`` as a 64-row product, ``qg = scale Q̂ ⊙ Γ``,
+    ``kd = K̂ ⊙ Γ_C / Γ`` (every factor <= 1). The l2norm factors
     are kernel 1's (``q_norm``, ``k_norm``), so that a program needs only its columns; the
     beta sigmoid is the forward's (``beta_rows``). Each output is stored as soon as it is
     made, so that few tiles are live at once. Not u: only the recurrence reads it, and the
@@ -76,7 +77,12 @@ def chunk_bwd_recompute_kernel(
                       SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND),
         64, BK,
     )  # fmt: skip
-    tl.store(cum_g + key_offsets, decay, mask=mask_k)
+    if not SCALAR_GATE:
+        tl.store(cum_g + key_offsets, decay, mask=mask_k)
+    elif i_s == 0:  # the scalar gate's G, one a row ([B, T, HV]): column 0's (padding has 0)
+        first = (tl.arange(0, BK) == 0)[None, :]
+        tl.store(cum_g + tokens * HV + i_hv, tl.sum(tl.where(first, decay, 0.0), axis=1),
+                 mask=rows_in)  # fmt: skip
     from_start = fast_exp(decay)
     r_q = load_normed_rows(q, q_norm, tokens, rows_in, i_h, i_hv, H, HV, K, offs_k,
                            USE_L2NORM)  # fmt: skip
@@ -124,7 +130,8 @@ def rebuild_rows(inputs: DeltaRuleInputs, cu_seqlens: Optional[Tensor],
     batch, length, heads, head_k = q.shape
     value_heads = v.shape[2]
     tokens_shape = (batch, length, value_heads)
-    cum_g = q.new_empty(*tokens_shape, head_k, dtype=torch.float32)
+    scalar_gate = layout.flags["SCALAR_GATE"]
+    cum_g = q.new_empty(*tokens_shape, *(() if scalar_gate else (head_k,)), dtype=torch.float32)
     w, qg, kd = (q.new_empty(*tokens_shape, head_k) for _ in range(3))
     kept = SavedForBackward(*kept, *(None,) * len(ROWS))
     flags = layout.flags

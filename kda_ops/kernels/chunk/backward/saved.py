@@ -21,7 +21,8 @@ class SavedForBackward(NamedTuple):
     HV]``; without the safe gate the int8 ``[R, HV]`` flags of the chunks the pairs kernel
     takes dyadically (unused with it); the state entering every chunk ``[R, HV, K, V]`` in
     q's dtype (written by the forward's recurrence, or by the backward's own when kernel 1
-    ran there); then the rows: G fp32 ``[B, T, HV, K]`` (``None``
+    ran there); then the rows: G fp32 ``[B, T, HV, K]`` (``[B, T, HV]`` for the scalar
+    gate; ``None``
     when kernel 1 did not store it), w, qg, kd ``[B, T, HV, K]`` in q's dtype and u ``[B,
     T, HV, V]`` in v's, which ``chunk_bwd_recompute_kernel`` rebuilds from the rest and the
     inputs (all but u, which the kept chunk states make unnecessary)."""
@@ -43,9 +44,11 @@ class SavedForBackward(NamedTuple):
 ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 
 
-def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> SavedForBackward:
+def empty_saved(q: Tensor, v: Tensor, n_chunks: int, scalar_gate: bool,
+                with_g: bool = True) -> SavedForBackward:  # fmt: skip
     """Uninitialised ``SavedForBackward`` for q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and
-    ``n_chunks`` chunk rows (also the training op's fake outputs), G only ``with_g``.
+    ``n_chunks`` chunk rows (also the training op's fake outputs), G only ``with_g``, one
+    a row for a ``scalar_gate``.
     Separate allocations: the training op returns them, and an op's outputs may not alias
     one another. The flags exist with the safe gate too (unused), so that the shapes do not
     depend on it."""
@@ -66,7 +69,7 @@ def empty_saved(q: Tensor, v: Tensor, n_chunks: int, with_g: bool = True) -> Sav
         # states and their gradients in it anyway (only Γ_C's term Σ S ⊙ dS' reads them
         # rounded); in fp32 the two are 2 × 0.54 GB at B = 1, T = 8192, HV = 64, K = V = 128.
         chunk_states=q.new_empty(n_chunks, value_heads, head_k, head_v),
-        cum_g=q.new_empty(*tokens, head_k, **f32) if with_g else None,
+        cum_g=q.new_empty(*tokens, *(() if scalar_gate else (head_k,)), **f32) if with_g else None,
         w=q.new_empty(*tokens, head_k),
         u=v.new_empty(*tokens, head_v),
         qg=q.new_empty(*tokens, head_k),

@@ -28,7 +28,7 @@ def chunk_bwd_state_kernel(
     sequence_order, length, first_head, dv_new, dstates, grad_initial_state,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):  # fmt: skip
     """Reverse scan over the chunks of sequence i_n, value head i_hv, value columns of
     block i_v. Writes dv_new (fp32 ``[B, T, HV, V]``), dstates (``[n_chunks, HV, K, V]``
@@ -72,8 +72,11 @@ def chunk_bwd_state_kernel(
         b_aqk_t = tl.load(aqk + (chunk_id * CHUNK + rows)[None, :] * CHUNK + rows[:, None],
                           mask=causal_t, other=0.0)  # fmt: skip
         last = tl.minimum(seq_len - c * CHUNK, CHUNK) - 1
-        decay_last = tl.exp(tl.load(cum_g + ((bos + c * CHUNK + last) * HV + i_hv) * K + offs_k,
-                                    mask=mask_k, other=0.0))  # fmt: skip
+        last_row = (bos + c * CHUNK + last) * HV + i_hv
+        if SCALAR_GATE:  # G one a row
+            decay_last = tl.exp(tl.load(cum_g + last_row) + tl.zeros([BK], dtype=tl.float32))
+        else:
+            decay_last = tl.exp(tl.load(cum_g + last_row * K + offs_k, mask=mask_k, other=0.0))
 
         b_dv = tl.dot(b_aqk_t.to(dot_dtype), b_do, input_precision=DOT_PRECISION)
         b_dv += tl.dot(b_kd.to(dot_dtype), d_state.to(dot_dtype), input_precision=DOT_PRECISION)
@@ -114,5 +117,6 @@ def launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seq
             length, first_head, dv_new, dstates, d_initial,
             HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=columns, CHUNK=CHUNK,
             HAS_INITIAL_STATE=d_initial is not None, IS_VARLEN=cu_seqlens is not None,
-            DOT_PRECISION=precision, num_warps=STATE_WARPS, num_stages=stages,
+            DOT_PRECISION=precision, SCALAR_GATE=layout.flags["SCALAR_GATE"],
+            num_warps=STATE_WARPS, num_stages=stages,
         )  # fmt: skip

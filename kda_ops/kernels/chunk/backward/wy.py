@@ -35,6 +35,57 @@ from kda_ops.kernels.sizes import next_power_of_2
 
 
 @triton.jit
+def _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.constexpr,
+                  dot_dtype: tl.constexpr):  # fmt: skip
+    """A scalar gate's pair matrices, for pass 2 to take by key blocks. With one decay a
+    row the pair factor E_ij = e^{G_i - G_j} (<= 1 for i >= j) scales whole ``[C, C]``
+    entries, so the pair terms are plain products with the rows: dq̂ += (dAqk ⊙ E) k̂,
+    dk̂ += β (dA ⊙ E) k̂ + (dA ⊙ E)ᵀ (β k̂) + (dAqk ⊙ E)ᵀ q̂ (no per-column split, no
+    dyadic diagonal, no pairs kernel). Returns dA ⊙ E and scale·dAqk ⊙ E off the diagonal
+    (dot dtype), and that diagonal ``[C]`` fp32 (no decay: elementwise terms).
+    ``d_a``, ``d_aqk``: fp32, dA strictly lower, scale·dAqk lower."""
+    cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
+    cum = tl.where(in_seq, cum, tl.sum(tl.where(rows == last, cum, 0.0), axis=0))
+    lower = rows[:, None] >= rows[None, :]
+    decay = tl.where(lower, tl.exp(tl.minimum(cum[:, None] - cum[None, :], 0.0)), 0.0)
+    d_aqk = d_aqk * decay
+    diagonal = rows[:, None] == rows[None, :]
+    d_aqk_diag = tl.sum(tl.where(diagonal, d_aqk, 0.0), axis=1)
+    d_aqk = tl.where(diagonal, 0.0, d_aqk)
+    return (d_a * decay).to(dot_dtype), d_aqk.to(dot_dtype), d_aqk_diag
+
+
+@triton.jit
+def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_beta, d_g,
+                       dot_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Adds the pair terms of one key block (``b_q``, ``b_k``: its q̂, k̂ rows fp32) to the
+    row gradients (``_scalar_pairs`` made ``d_a``, ``d_aqk``, ``d_aqk_diag``). dG's pair
+    part comes from the block's share of P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ)
+    as ``rowsum(P) - colsum(P)``: each term enters at its row and, negated, at its column
+    from the same fp32 value, so both ends cancel exactly in the reverse cumsum (the
+    diagonal, whose two ends are one term, is left out).
+
+    The pair loop takes 64 key columns a step (``WyLaunch.pair_step``): at 16 or 32 with 4
+    warps, Triton 3.6's bundled ptxas (12.8.93) assembles it wrong or faulting on Hopper
+    (``benchmarks/results/wy_probe_ptxas_h100.log``: exact with CUDA 13.4's ptxas at every
+    step; with the bundled one, steps of 64 and 2-warp launches pass, narrower steps do
+    not; triton-lang/triton#11366)."""
+    k_low, q_low = b_k.to(dot_dtype), b_q.to(dot_dtype)
+    a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
+    d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
+    d_k += b_beta[:, None] * a_rows + d_aqk_diag[:, None] * b_q
+    d_k += tl.dot(tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype),
+                  input_precision=DOT_PRECISION)  # fmt: skip
+    d_k += tl.dot(tl.trans(d_aqk), q_low, input_precision=DOT_PRECISION)
+    d_beta += tl.sum(b_k * a_rows, axis=1)
+    key_key = tl.dot(k_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+    query_key = tl.dot(q_low, tl.trans(k_low), input_precision=DOT_PRECISION)
+    pairs = b_beta[:, None] * d_a.to(tl.float32) * key_key + d_aqk.to(tl.float32) * query_key
+    d_g += tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)
+    return d_q, d_k, d_beta, d_g
+
+
+@triton.jit
 def chunk_bwd_wy_kernel(
     q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
     grad_o, dv_new, scale, length, n_seqs,
@@ -44,7 +95,8 @@ def chunk_bwd_wy_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
     BN: tl.constexpr, CHUNK: tl.constexpr,
     USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, PAIR_STEP: tl.constexpr,
+    PAIR_STAGES: tl.constexpr,
 ):  # fmt: skip
     """For chunk i_c and value head i_hv, on all 64 rows: everything that goes through S,
     dS' and T, in two passes so that no ``[C, K]`` accumulator lives across a loop:
@@ -117,16 +169,43 @@ def chunk_bwd_wy_kernel(
         d_a -= tl.dot(d_ru, tl.trans(v_new_f32), input_precision=DOT_PRECISION)
     tl.debug_barrier()  # pass 2 reads what other threads stored; T is not read again
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
-    tl.store(d_aqk_tiles + square + in_square, d_aqk)
-    if d_aqk_low is not None:
-        tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
-    if d_a_low is None:
-        tl.store(d_a_tiles + square + in_square, d_a)
-    else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
-        diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
-        tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
-        tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
+    q_chunk = q + start * H * K
+    k_chunk = k + start * H * K
+    cum_chunk = cum_g + start * HV * (1 if SCALAR_GATE else K)  # G one a row if scalar
+    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    if SCALAR_GATE:  # the pair terms here (``_scalar_pair_grads``), not in the pairs kernel
+        d_a, d_aqk, d_aqk_diag = _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv,
+                                               HV, dot_dtype)  # fmt: skip
+        d_g = tl.zeros([CHUNK], dtype=tl.float32)
+        # The pair terms by key blocks into the row gradients, before pass 2 adds its own:
+        # the pair matrices are dead by then, leaving pass 2's value tiles the registers.
+        for i_k in tl.range(0, tl.cdiv(K, PAIR_STEP), num_stages=PAIR_STAGES):
+            offs_kb = i_k * PAIR_STEP + tl.arange(0, PAIR_STEP)
+            mask_rows_kb = in_seq[:, None] & (offs_kb < K)[None, :]
+            key_offsets = row_offsets * K + offs_kb[None, :]
+            b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            b_q *= q_factors[:, None]
+            b_k *= k_factors[:, None]
+            zeros = tl.zeros([CHUNK, PAIR_STEP], dtype=tl.float32)
+            d_q, d_k, d_beta, d_g = _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k,
+                                                       zeros, zeros, d_beta, d_g, dot_dtype,
+                                                       DOT_PRECISION)  # fmt: skip
+            tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
+            tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
+        tl.debug_barrier()  # pass 2 reads what other threads stored
+    else:
+        tl.store(d_aqk_tiles + square + in_square, d_aqk)
+        if d_aqk_low is not None:
+            tl.store(d_aqk_low + square + in_square, d_aqk.to(dot_dtype))
+        if d_a_low is None:
+            tl.store(d_a_tiles + square + in_square, d_a)
+        else:  # fp32 only where the pairs kernel reads it: the diagonal tiles
+            diagonal = rows[:, None] // BLOCK == rows[None, :] // BLOCK
+            tl.store(d_a_tiles + square + in_square, d_a, mask=diagonal)
+            tl.store(d_a_low + square + in_square, d_a.to(dot_dtype))
 
     offs_v = tl.arange(0, BV)
     mask_v = offs_v < V
@@ -136,11 +215,6 @@ def chunk_bwd_wy_kernel(
                    other=0.0).to(dot_dtype)  # fmt: skip
     v_new = tl.load(v_new_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
     d_ru = tl.load(d_ru_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
-    q_chunk = q + start * H * K
-    k_chunk = k + start * H * K
-    cum_chunk = cum_g + start * HV * K
-    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
-    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
     for i_k in range(0, tl.cdiv(K, BK_STEP)):
         offs_kb = i_k * BK_STEP + tl.arange(0, BK_STEP)
         mask_kb = offs_kb < K
@@ -155,13 +229,19 @@ def chunk_bwd_wy_kernel(
         d_kd = tl.dot(v_new, tl.trans(ds_keys.to(dot_dtype)), input_precision=DOT_PRECISION)
         d_rw = -tl.dot(d_ru, s_keys_t, input_precision=DOT_PRECISION)  # Tᵀ dw
 
-        cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
-                           other=0.0)  # fmt: skip
+        if SCALAR_GATE:  # G one a row, the same for every column
+            cum_end = tl.load(cum_chunk + last * HV + i_hv)
+            cum_last = cum_end + tl.zeros([BK_STEP], tl.float32)
+            b_cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
+            b_cum = tl.where(in_seq, b_cum, cum_end)[:, None] + tl.zeros([1, BK_STEP], tl.float32)
+        else:
+            cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
+                               other=0.0)  # fmt: skip
+            b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
         b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
         b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
         b_q *= q_factors[:, None]
         b_k *= k_factors[:, None]
-        b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
         gamma = tl.exp(b_cum)
         to_end = tl.exp(cum_last[None, :] - b_cum)
         d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
@@ -172,9 +252,16 @@ def chunk_bwd_wy_kernel(
         d_decay = tl.sum(s_keys * ds_keys, axis=1)
         d_cum_last = tl.sum(b_k * to_end * d_kd, axis=0) + tl.exp(cum_last) * d_decay
         d_cum += tl.where(rows[:, None] == last, d_cum_last[None, :], 0.0)
+        if SCALAR_GATE:  # onto the pair terms
+            d_q += tl.load(dq_rows + key_base + key_offsets, mask=mask_rows_kb, other=0.0)
+            d_k += tl.load(dk_rows + key_base + key_offsets, mask=mask_rows_kb, other=0.0)
+            d_g += tl.sum(d_cum, axis=1)
+        else:
+            tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
         tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
         tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
-        tl.store(d_cum_rows + key_base + key_offsets, d_cum, mask=mask_rows_kb)
+    if SCALAR_GATE:
+        tl.store(d_cum_rows + start * HV + rows * HV + i_hv, d_g, mask=in_seq)  # [B, T, HV]
     tl.store(dbeta + start * HV + rows * HV + i_hv, d_beta, mask=in_seq)
 
 
@@ -185,12 +272,16 @@ WY_VALUE_STEP, WY_KEY_STEP, WY_STAGES = 32, 32, 2
 
 
 class WyLaunch(NamedTuple):
-    """How ``chunk_bwd_wy_kernel`` is launched: ``BV_STEP``, ``BK_STEP``, warps, stages."""
+    """How ``chunk_bwd_wy_kernel`` is launched: ``BV_STEP``, ``BK_STEP``, warps, stages, and
+    the scalar gate's pair loop: its key columns a step (``PAIR_STEP``) and pipeline stages
+    (``PAIR_STAGES``)."""
 
     value_step: int
     key_step: int
     warps: int
     stages: int
+    pair_step: int = 64
+    pair_stages: int = 1
 
 
 def wy_launch(block_k: int, block_v: int, itemsize: int) -> WyLaunch:
@@ -229,5 +320,6 @@ def launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states,
         BV_STEP=wy.value_step, BK_STEP=wy.key_step, BN=next_power_of_2(n_seqs), CHUNK=CHUNK,
         USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
         IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-        num_warps=wy.warps, num_stages=wy.stages,
+        SCALAR_GATE=layout.flags["SCALAR_GATE"], PAIR_STEP=wy.pair_step,
+        PAIR_STAGES=wy.pair_stages, num_warps=wy.warps, num_stages=wy.stages,
     )  # fmt: skip

@@ -204,13 +204,15 @@ def test_training_forward_keeps_what_the_backward_needs(variant, head_v):
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 50, 150]], ids=["fixed", "varlen"])
 def test_training_op_fake_matches_what_the_launch_keeps(cu_seqlens, keep_rows, variant):
     """kda::chunk_train's fake kernel (``saved_like``) describes the kept tensors exactly:
-    shape and dtype of each, in order (what torch.compile traces against)."""
+    shape and dtype of each, in order (what torch.compile traces against); the scalar
+    gate's G one a row."""
     primals, cu, config, _, _ = kernel_inputs(
         variant, cu_seqlens=cu_seqlens, length=150, n_seqs=2 if cu_seqlens else None,
         head_k=16, head_v=24,
     )  # fmt: skip
     _, _, saved = launch_chunk_kda_training(*grouped(*primals, cu, *config), keep_rows=keep_rows)
-    expected = saved_like(primals[0], primals[2], cu, keep_rows)
+    scalar_gate = variant == "gdn"
+    expected = saved_like(primals[0], primals[2], cu, keep_rows, scalar_gate=scalar_gate)
     assert len(saved) == len(expected)
     for got, like in zip(saved, expected):
         assert (got.shape, got.dtype) == (like.shape, like.dtype)
@@ -237,7 +239,8 @@ def test_rebuilt_rows_match_the_solved_ones(variant, head_v):
 
 @pytest.mark.parametrize("variant", ["softplus_gate", "gdn"])
 def test_rebuilt_rows_with_padded_key_columns(variant):
-    """K = 60 in a 64-wide rebuild block: the padding columns hold no gate."""
+    """K = 60 in a 64-wide rebuild block: the padding columns carry no gate (the scalar
+    gate's G, one a row, is read off a column inside K)."""
     check_rebuilt_rows(variant, head_k=60, head_v=24)
 
 
