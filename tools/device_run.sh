@@ -5,7 +5,8 @@
 #
 # A phase named bg:PHASE runs in the background (its output in $OUT/PHASE.out, shown at the
 # end); `wait` waits for every background job.
-# Phases: tests (the GDN and forward GPU tests), tests_all (every GPU test), variants (the
+# Phases: tests (the GDN and forward GPU tests), tests_all (every GPU test), tests_shards
+# (every GPU test in TEST_SHARDS processes side by side), variants (the
 # long sequence with forced chunk / segment choices, KDA and GDN), gdn (benchmarks/ops.py's
 # GDN rows against FLA), kda (the KDA forward and training rows against FLA and FlashKDA),
 # sweep (the long-sequence sweep with its plot), baseline (the GDN rows from .baseline,
@@ -114,6 +115,30 @@ run_phase() {
     tests_all)
         timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -m gpu tests \
             2>&1 | tee "$OUT/tests_all.log" | tail -n 30
+        ;;
+    tests_shards)
+        # Every GPU test (or those of TEST_FILES) dealt round-robin into TEST_SHARDS pytest
+        # processes side by side (default 4), TESTS_S each; a shard's log names its failures,
+        # tests_shards.txt holds each shard's last line and the ids it never reached.
+        python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu ${TEST_FILES:-tests} \
+            2>/dev/null | grep '::' >"$OUT/gpu_test_ids.txt"
+        shards=${TEST_SHARDS:-4} pids=()
+        for shard in $(seq 0 $((shards - 1))); do
+            awk -v n="$shards" -v s="$shard" '(NR - 1) % n == s' "$OUT/gpu_test_ids.txt" \
+                >"$OUT/shard_$shard.ids"
+            (timeout "$TESTS_S" xargs -d '\n' -a "$OUT/shard_$shard.ids" python3 -m pytest -v \
+                -p no:cacheprovider -rfEs --tb=short -m gpu >"$OUT/shard_$shard.log" 2>&1
+             echo "shard $shard rc=$? $(tail -n 1 "$OUT/shard_$shard.log")") &
+            pids+=($!)
+        done >"$OUT/tests_shards.txt"
+        wait "${pids[@]}"  # these only: other phases may run in the background
+        # -v prints each id with its outcome: what no shard reached is the rest.
+        sed -nE 's/^(tests\/.*) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS).*/\1/p' "$OUT"/shard_*.log \
+            | sort -u >"$OUT/reached.ids"
+        sort "$OUT/gpu_test_ids.txt" | comm -23 - "$OUT/reached.ids" | sed 's/^/not reached: /' \
+            >>"$OUT/tests_shards.txt"
+        grep -h '^FAILED\|^ERROR' "$OUT"/shard_*.log >>"$OUT/tests_shards.txt"
+        cat "$OUT/tests_shards.txt"
         ;;
     variants)
         # The issue's two long cases: GDN 1 x 32768 at 32 value heads, KDA 1 x 131072 at 16.
