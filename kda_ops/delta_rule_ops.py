@@ -65,9 +65,32 @@ def delta_rule_reference(
         cu_seqlens: Optional[Tensor],
         options: DeltaRuleOptions,
     ) -> tuple[Tensor, Tensor]:
-        return reference.delta_rule(form, *inputs, initial_state, cu_seqlens, *options)
+        return _reference_delta_rule(
+            form=form,
+            inputs=inputs,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            options=options,
+        )
 
     return kernel
+
+
+def _reference_delta_rule(
+    form: reference.DeltaRuleForm,
+    inputs: DeltaRuleInputs,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    options: DeltaRuleOptions,
+) -> tuple[Tensor, ...]:
+    """``reference.delta_rule`` with ``form`` on grouped inputs and options (by field)."""
+    return reference.delta_rule(
+        form=form,
+        **inputs._asdict(),
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        **options._asdict(),
+    )
 
 
 chunk_reference = delta_rule_reference(reference.chunk_delta_rule)
@@ -101,7 +124,14 @@ def delta_rule_backward_reference(
     optional input gets an empty tensor."""
 
     def forward(*primals: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        return reference.delta_rule(reference.chunk_delta_rule, *primals, cu_seqlens, *options)
+        *tensors, state = primals
+        return _reference_delta_rule(
+            form=reference.chunk_delta_rule,
+            inputs=DeltaRuleInputs._make(tensors),
+            initial_state=state,
+            cu_seqlens=cu_seqlens,
+            options=options,
+        )
 
     return reference.vjp(forward, (*inputs, initial_state), (grad_o, grad_final_state))
 
@@ -123,8 +153,9 @@ def _delta_rule_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor],
-                         *_grad_kept: Optional[Tensor]):  # fmt: skip
+def _delta_rule_backward(
+    ctx, grad_o: Optional[Tensor], grad_final_state: Optional[Tensor], *_grad_kept: Optional[Tensor]
+):
     # Read once: under torch.utils.checkpoint each read of saved_tensors unpacks (recomputes).
     saved = ctx.saved_tensors
     n_inputs = len(DeltaRuleInputs._fields)
@@ -137,13 +168,19 @@ def _delta_rule_backward(ctx, grad_o: Optional[Tensor], grad_final_state: Option
         grad_final_state = q.new_zeros(
             arguments.final_state_shape(q, v, cu_seqlens), dtype=arguments.state_dtype(q)
         )
-    cotangents = (grad_o, grad_final_state)
+    arguments_by_name = {
+        **inputs._asdict(),
+        "initial_state": initial_state,
+        "cu_seqlens": cu_seqlens,
+        "grad_o": grad_o,
+        "grad_final_state": grad_final_state,
+        **ctx.options._asdict(),
+    }
     if kept:
         backward = chunk_backward_scratch_op if ctx.keeps_rows else chunk_backward_op
-        grads = backward(*inputs, initial_state, cu_seqlens, *cotangents, kept, *ctx.options)
+        grads = backward(**arguments_by_name, saved=kept)
     else:
-        grads = delta_rule_backward_op(*inputs, initial_state, cu_seqlens, *cotangents,
-                                       *ctx.options)  # fmt: skip
+        grads = delta_rule_backward_op(**arguments_by_name)
     primals = (*inputs, initial_state)
     grads = tuple(None if p is None else grad for p, grad in zip(primals, grads))
     return grads + (None,) * (ctx.n_arguments - len(grads))
@@ -216,11 +253,18 @@ def _(inputs, initial_state, cu_seqlens, options, keep_rows):
     q, v = inputs.q, inputs.v
     if not _keeps_saved(inputs):
         return o, final, []
-    return o, final, saved_like(q, v, cu_seqlens, keep_rows, scalar_gate=inputs.g.dim() == 3)
+    return (
+        o,
+        final,
+        saved_like(
+            q=q, v=v, cu_seqlens=cu_seqlens, keep_rows=keep_rows, scalar_gate=inputs.g.dim() == 3
+        ),
+    )
 
 
-def saved_like(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool,
-               scalar_gate: bool) -> list[Tensor]:  # fmt: skip
+def saved_like(
+    q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], keep_rows: bool, scalar_gate: bool
+) -> list[Tensor]:
     """Empty tensors shaped as ``kda::chunk_train``'s saved outputs on the Triton path
     (``kernels.chunk.backward.saved.SavedForBackward``; its rows w, u, qg, kd only with
     ``keep_rows``; G one a row for a ``scalar_gate``)."""
@@ -241,7 +285,12 @@ def chunk_backward_reference(
     ``kda::chunk_backward`` and ``kda::chunk_backward_``); off the Triton path it
     differentiates the reference and leaves them untouched."""
     return delta_rule_backward_reference(
-        inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options
+        inputs=inputs,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        grad_o=grad_o,
+        grad_final_state=grad_final_state,
+        options=options,
     )
 
 
@@ -284,8 +333,12 @@ def chunk_states_reference(
     lengths); sequence n owns rows ``chunk_offsets(cu_seqlens)[n] ...[n + 1]``; the rows
     past ``chunk_offsets[N]`` are zero. Inference only: no autograd formula.
     """
-    o, final, starts = reference.delta_rule(
-        reference.chunk_delta_rule_with_states, *inputs, initial_state, cu_seqlens, *options
+    o, final, starts = _reference_delta_rule(
+        form=reference.chunk_delta_rule_with_states,
+        inputs=inputs,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        options=options,
     )
     chunk_states = final.new_zeros(_chunk_state_rows(inputs.q, cu_seqlens), *final.shape[1:])
     starts = starts.flatten(0, 1)
@@ -317,8 +370,12 @@ def recurrent_inplace_reference(
     nothing back.
     """
     states = gather_pool_states(state_pool, state_indices)
-    o, final = reference.delta_rule(
-        reference.recurrent_delta_rule, *inputs, states, cu_seqlens, *options
+    o, final = _reference_delta_rule(
+        form=reference.recurrent_delta_rule,
+        inputs=inputs,
+        initial_state=states,
+        cu_seqlens=cu_seqlens,
+        options=options,
     )
     scatter_pool_states(state_pool, state_indices, final)
     return o
@@ -367,8 +424,7 @@ if kernels.AVAILABLE:
 
     @cuda_kernel(chunk_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, options):
-        o, final = launch_chunk_kda(_in_compute_dtype(inputs), initial_state, cu_seqlens,
-                                    options)  # fmt: skip
+        o, final = launch_chunk_kda(_in_compute_dtype(inputs), initial_state, cu_seqlens, options)
         return o.to(inputs.v.dtype), final
 
     @cuda_kernel(chunk_states_op, runs=chunk_kernels_run)
@@ -378,41 +434,75 @@ if kernels.AVAILABLE:
         # Packed sequences leave rows past the last chunk unwritten: zero them.
         alloc = torch.empty if cu_seqlens is None else torch.zeros
         chunk_states = alloc(shape, device=q.device, dtype=torch.float32)
-        o, final = launch_chunk_kda(_in_compute_dtype(inputs), initial_state, cu_seqlens,
-                                    options, chunk_states=chunk_states)  # fmt: skip
+        o, final = launch_chunk_kda(
+            inputs=_in_compute_dtype(inputs),
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            options=options,
+            chunk_states=chunk_states,
+        )
         return o.to(v.dtype), final, chunk_states
 
     @cuda_kernel(delta_rule_backward_op, runs=chunk_kernels_run)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, options):
         # The gradients of kda::chunk and kda::recurrent alike (one math, one backward).
         computed = _in_compute_dtype(inputs)
-        grads = launch_chunk_kda_backward(computed, initial_state, cu_seqlens,
-                                          grad_o.to(computed.v.dtype), grad_final_state,
-                                          options)  # fmt: skip
+        grads = launch_chunk_kda_backward(
+            inputs=computed,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            grad_o=grad_o.to(computed.v.dtype),
+            grad_final_state=grad_final_state,
+            options=options,
+        )
         dq, dk, dv = (grad.to(x.dtype) for grad, x in zip(grads[:3], inputs[:3]))
         return (dq, dk, dv, *grads[3:])
 
     @cuda_kernel(chunk_train_op, runs=_keeps_saved)
     def _(inputs, initial_state, cu_seqlens, options, keep_rows):
         o, final_state, saved = launch_chunk_kda_training(
-            inputs, initial_state, cu_seqlens, options, keep_rows=keep_rows
+            inputs=inputs,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            options=options,
+            keep_rows=keep_rows,
         )
         return o, final_state, list(saved)
 
     @cuda_kernel(chunk_backward_op, chunk_backward_scratch_op, runs=_keeps_saved)
     def _(inputs, initial_state, cu_seqlens, grad_o, grad_final_state, saved, options):
         # The launch overwrites saved exactly when it holds the rows (kda::chunk_backward_).
-        return launch_chunk_kda_backward(inputs, initial_state, cu_seqlens, grad_o,
-                                         grad_final_state, options, saved=saved)  # fmt: skip
+        return launch_chunk_kda_backward(
+            inputs=inputs,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            grad_o=grad_o,
+            grad_final_state=grad_final_state,
+            options=options,
+            saved=saved,
+        )
 
     @cuda_kernel(recurrent_op, runs=recurrent_kernel_runs)
     def _(inputs, initial_state, cu_seqlens, options):
         q, v = inputs.q, inputs.v
         state = arguments.new_final_state(q, v, cu_seqlens)
-        o = launch_recurrent_kda(inputs, initial_state, state, None, cu_seqlens, options)
+        o = launch_recurrent_kda(
+            inputs=inputs,
+            state_in=initial_state,
+            state_out=state,
+            state_indices=None,
+            cu_seqlens=cu_seqlens,
+            options=options,
+        )
         return o, state
 
     @cuda_kernel(recurrent_inplace_op, runs=recurrent_kernel_runs)
     def _(inputs, state_pool, state_indices, cu_seqlens, options):
-        return launch_recurrent_kda(inputs, state_pool, state_pool, state_indices, cu_seqlens,
-                                    options)  # fmt: skip
+        return launch_recurrent_kda(
+            inputs=inputs,
+            state_in=state_pool,
+            state_out=state_pool,
+            state_indices=state_indices,
+            cu_seqlens=cu_seqlens,
+            options=options,
+        )

@@ -149,16 +149,8 @@ CHUNK_GATED_DELTA_RULE = Role(
 RECURRENT_GATED_DELTA_RULE = Role(
     name="recurrent_gated_delta_rule",
     attribute_names=("torch_recurrent_gated_delta_rule",),
-    parameters=(
-        "query",
-        "key",
-        "value",
-        "g",
-        "beta",
-        "initial_state",
-        "output_final_state",
-        "use_qk_l2norm_in_kernel",
-    ),
+    # The chunked form's, but for its chunk size.
+    parameters=tuple(p for p in CHUNK_GATED_DELTA_RULE.parameters if p != "chunk_size"),
     replacement=_transformers.recurrent_delta_rule,
     probe=_delta_rule_probe(per_channel_gate=False, chunked=False),
     anchor=True,

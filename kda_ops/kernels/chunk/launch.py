@@ -109,26 +109,21 @@ def launch_chunk_kda(
     recurrence's step, 16 or 64 tokens; ``None`` lets :func:`forward_chunk` choose."""
     batch, length, value_heads, head_v = inputs.v.shape
     device = inputs.q.device
+    # What forward_chunk and recurrence_segments choose from.
+    shapes = dict(
+        batch=batch,
+        length=length,
+        value_heads=value_heads,
+        head_v=head_v,
+        cu_seqlens=cu_seqlens,
+        device=device,
+    )
     if chunk is None:
-        chunk = forward_chunk(
-            batch=batch,
-            length=length,
-            value_heads=value_heads,
-            head_v=head_v,
-            cu_seqlens=cu_seqlens,
-            device=device,
-        )
+        chunk = forward_chunk(**shapes)
     if chunk not in (FORWARD_CHUNK, CHUNK):
         raise ValueError(f"chunk must be {FORWARD_CHUNK} or {CHUNK} tokens, got {chunk}")
     if segments is None:
-        segments = recurrence_segments(
-            batch=batch,
-            length=length,
-            value_heads=value_heads,
-            head_v=head_v,
-            cu_seqlens=cu_seqlens,
-            device=device,
-        )
+        segments = recurrence_segments(**shapes)
     if window_steps is None:
         window_steps = pipeline_window_steps(length, cu_seqlens is not None, device)
     if chunk != FORWARD_CHUNK:

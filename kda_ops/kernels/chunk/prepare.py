@@ -89,9 +89,27 @@ def inverse_unit_lower(a, DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask_k, offs_v,
-                mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                SCALAR_GATE: tl.constexpr):  # fmt: skip
+def _load_block(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    start,
+    remaining,
+    i_b,
+    i_h,
+    i_hv,
+    offs_k,
+    mask_k,
+    offs_v,
+    mask_v,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+):
     """Raw inputs of row block i_b, in their storage dtype, zero past the sequence's end:
     g ([BLOCK, BK], or [BLOCK] for a scalar gate), q, k ([BLOCK, BK]), v ([BLOCK, BV]),
     beta ([BLOCK])."""
@@ -107,8 +125,9 @@ def _load_block(q, k, v, g, beta, start, remaining, i_b, i_h, i_hv, offs_k, mask
     key_rows = (tokens * H + i_h)[:, None] * K + offs_k[None, :]
     r_q = tl.load(q + key_rows, mask=mask, other=0.0)
     r_k = tl.load(k + key_rows, mask=mask, other=0.0)
-    r_v = tl.load(v + value_rows * V + offs_v[None, :], mask=in_seq[:, None] & mask_v[None, :],
-                  other=0.0)  # fmt: skip
+    r_v = tl.load(
+        v + value_rows * V + offs_v[None, :], mask=in_seq[:, None] & mask_v[None, :], other=0.0
+    )
     r_beta = tl.load(beta + tokens * HV + i_hv, mask=in_seq, other=0.0)
     return raw_g, r_q, r_k, r_v, r_beta
 
@@ -125,9 +144,18 @@ def dense_decay_limit(DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def diagonal_block(r_q, r_k, q_in, k_in, to_start, decay, DOT_DTYPE: tl.constexpr,
-                   SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   CUMULATIVE: tl.constexpr):  # fmt: skip
+def diagonal_block(
+    r_q,
+    r_k,
+    q_in,
+    k_in,
+    to_start,
+    decay,
+    DOT_DTYPE: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CUMULATIVE: tl.constexpr,
+):
     """In-block products (q_i · k_j exp(G_i - G_j), k_i · k_j exp(G_i - G_j)) for j <= i,
     given the cumulative log-decay ``local`` from a reference row at or before the
     block's start: ``q_in``, ``k_in`` the rows decayed by it, ``to_start`` = exp(-local),
@@ -155,8 +183,9 @@ def diagonal_block(r_q, r_k, q_in, k_in, to_start, decay, DOT_DTYPE: tl.constexp
 
 
 @triton.jit
-def scalar_diagonal_block(r_q, r_k, local_rows, DOT_DTYPE: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):  # fmt: skip
+def scalar_diagonal_block(
+    r_q, r_k, local_rows, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """``diagonal_block`` for a scalar gate: (q_i · k_j, k_i · k_j) times exp(G_i - G_j)
     for j <= i from the rows' cumulative log-decay ``local_rows`` [BLOCK]; the exponent is
     at most 0 there, so one dense dot each is exact for any decay. Entries above the
@@ -172,13 +201,41 @@ def scalar_diagonal_block(r_q, r_k, local_rows, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
-                remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g,
-                q_norm, k_norm, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
-                USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, C: tl.constexpr):  # fmt: skip
+def _open_block(
+    raw_g,
+    r_q,
+    r_k,
+    r_v,
+    r_beta,
+    gate_rate,
+    gate_bias,
+    scale,
+    lower_bound,
+    start,
+    remaining,
+    i_b,
+    i_hv,
+    decay_before,
+    offs_k,
+    mask_k,
+    qg,
+    aqk_rows,
+    cum_g,
+    q_norm,
+    k_norm,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    C: tl.constexpr,
+):
     """Row block i_b of the chunk from its raw inputs (``_load_block``), given the chunk's
     cumulative log-decay before it (``decay_before``, [BK]). Stores its qg rows and its
     diagonal Aqk tile (for the backward, given ``cum_g``, also its cumulative log-decay rows
@@ -197,8 +254,16 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
     rows = (tokens * HV + i_hv)[:, None] * K + offs_k[None, :]
     mask = in_seq[:, None] & mask_k[None, :]
     if SCALAR_GATE:
-        g_rows = activate_scalar_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq,
-                                      USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+        g_rows = activate_scalar_gate(
+            raw_g=raw_g,
+            rate=gate_rate,
+            bias=gate_bias,
+            lower_bound=lower_bound,
+            in_seq=in_seq,
+            USE_GATE=USE_GATE,
+            HAS_DT_BIAS=HAS_DT_BIAS,
+            USE_LOWER_BOUND=USE_LOWER_BOUND,
+        )
         local_rows = tl.cumsum(g_rows, axis=0)
         block_decay = tl.sum(g_rows, axis=0)
         if cum_g is not None:  # one a row: [B, T, HV]
@@ -206,8 +271,20 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
             cum_rows = tl.max(decay_before, axis=0) + local_rows
             tl.store(cum_g + tokens * HV + i_hv, cum_rows, mask=in_seq)
     else:
-        b_g = activate_gate(raw_g, gate_rate, gate_bias, lower_bound, in_seq, mask_k, BK, BLOCK,
-                            SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND)  # fmt: skip
+        b_g = activate_gate(
+            raw_g=raw_g,
+            rate=gate_rate,
+            bias=gate_bias,
+            lower_bound=lower_bound,
+            in_seq=in_seq,
+            mask_k=mask_k,
+            BK=BK,
+            ROWS=BLOCK,
+            SCALAR_GATE=SCALAR_GATE,
+            USE_GATE=USE_GATE,
+            HAS_DT_BIAS=HAS_DT_BIAS,
+            USE_LOWER_BOUND=USE_LOWER_BOUND,
+        )
         local, block_decay = block_cumsum(b_g, BLOCK, BK)  # padding rows add no decay
         if cum_g is not None:
             tl.store(cum_g + rows, decay_before[None, :] + local, mask=mask)
@@ -225,8 +302,13 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
         from_start = fast_exp(local_rows)
         k_in = r_k * from_start[:, None]
         q_in = r_q * from_start[:, None]
-        qk, kk = scalar_diagonal_block(r_q, r_k, local_rows, qg.dtype.element_ty,
-                                       DOT_PRECISION)  # fmt: skip
+        qk, kk = scalar_diagonal_block(
+            r_q=r_q,
+            r_k=r_k,
+            local_rows=local_rows,
+            DOT_DTYPE=qg.dtype.element_ty,
+            DOT_PRECISION=DOT_PRECISION,
+        )
         k_out = r_k * fast_exp(block_decay - local_rows)[:, None]
     else:
         from_start = fast_exp(local)
@@ -236,8 +318,18 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
         to_start = fast_reciprocal(from_start)
         k_in = r_k * from_start
         q_in = r_q * from_start
-        qk, kk = diagonal_block(r_q, r_k, q_in, k_in, to_start, b_g, qg.dtype.element_ty,
-                                SAFE_GATE, DOT_PRECISION, False)  # fmt: skip
+        qk, kk = diagonal_block(
+            r_q=r_q,
+            r_k=r_k,
+            q_in=q_in,
+            k_in=k_in,
+            to_start=to_start,
+            decay=b_g,
+            DOT_DTYPE=qg.dtype.element_ty,
+            SAFE_GATE=SAFE_GATE,
+            DOT_PRECISION=DOT_PRECISION,
+            CUMULATIVE=False,
+        )
         if SAFE_GATE:  # e^{-local} <= e^80 as in diagonal_block
             k_out = r_k * to_start * fast_exp(block_decay)[None, :]
         else:
@@ -253,9 +345,23 @@ def _open_block(raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower
 
 
 @triton.jit
-def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col_w, col_u,
-               rhs_w, rhs_u, aqk, solve, tile_offsets, scale,
-               DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _eliminate(
+    k_in,
+    q_in,
+    r_beta,
+    decay_before,
+    col_decay_after,
+    col_k_out,
+    col_w,
+    col_u,
+    rhs_w,
+    rhs_u,
+    aqk,
+    solve,
+    tile_offsets,
+    scale,
+    DOT_PRECISION: tl.constexpr,
+):
     """Couples a row block to an earlier, solved column block: stores their Aqk tile (at
     ``aqk + tile_offsets``; A_ij's at ``solve + tile_offsets`` when given) and subtracts
     ``A_ij [w_j, u_j]`` from the row block's right-hand sides, which it returns. The gap
@@ -276,8 +382,7 @@ def _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after, col_k_out, col
 
 
 @triton.jit
-def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
-                K: tl.constexpr):  # fmt: skip
+def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr, K: tl.constexpr):
     """Offsets and mask of row block i_b's [BLOCK, BK] tile of a ``[B, T, HV, K]`` tensor."""
     sub = tl.arange(0, BLOCK)
     tokens = start + i_b * BLOCK + sub
@@ -287,9 +392,26 @@ def _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV: tl.constexpr,
 
 
 @triton.jit
-def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                 offs_v, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, HALF_W: tl.constexpr):  # fmt: skip
+def _solve_block(
+    inverse,
+    rhs_w,
+    rhs_u,
+    w,
+    u,
+    start,
+    remaining,
+    i_b,
+    i_hv,
+    offs_k,
+    mask_k,
+    offs_v,
+    mask_v,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HALF_W: tl.constexpr,
+):
     """Stores a block's w, u rows: its ``(I + a_kk)⁻¹`` (``inverse_unit_lower``) times the
     eliminated right-hand sides, in the storage dtype (what the later blocks read back).
 
@@ -305,48 +427,173 @@ def _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_
         b_w = tl.dot(inverse, rhs_w, input_precision=DOT_PRECISION)
     b_w = b_w.to(w.dtype.element_ty)
     b_u = tl.dot(inverse, rhs_u, input_precision=DOT_PRECISION).to(u.dtype.element_ty)
-    key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
-    value_rows, value_mask = _block_rows(start, remaining, i_b, i_hv, offs_v, mask_v, HV, V)
+    key_rows, key_mask = _block_rows(
+        start=start,
+        remaining=remaining,
+        i_b=i_b,
+        i_hv=i_hv,
+        offs_k=offs_k,
+        mask_k=mask_k,
+        HV=HV,
+        K=K,
+    )
+    value_rows, value_mask = _block_rows(
+        start=start,
+        remaining=remaining,
+        i_b=i_b,
+        i_hv=i_hv,
+        offs_k=offs_v,
+        mask_k=mask_v,
+        HV=HV,
+        K=V,
+    )
     tl.store(w + key_rows, b_w, mask=key_mask)
     tl.store(u + value_rows, b_u, mask=value_mask)
 
 
 @triton.jit
 def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets,
-    scale, lower_bound, length, n_seqs, window_first,
-    chunk_decay, w, u, qg, kd, aqk, unbounded,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-    SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
-    USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCKS: tl.constexpr, WINDOW: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    cu_seqlens,
+    chunk_offsets,
+    scale,
+    lower_bound,
+    length,
+    n_seqs,
+    window_first,
+    chunk_decay,
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    unbounded,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """A program a chunk and value head (grid: chunks × HV), or with ``WINDOW`` chunks
     ``[window_first, window_first + WINDOW)`` of every sequence (grid: sequences ·
     ``WINDOW`` × HV; ``program_chunk``)."""
-    prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, window_first, chunk_decay, w, u, qg, kd, aqk,
-                   unbounded, None, None, None, None, None, H, HV, K, V, BK, BV, BN,
-                   SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE, USE_L2NORM,
-                   USE_BETA_SIGMOID, IS_VARLEN, DOT_PRECISION, CHUNKS, BLOCKS,
-                   WINDOW)  # fmt: skip
+    prepare_chunks(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        scale=scale,
+        lower_bound=lower_bound,
+        length=length,
+        n_seqs=n_seqs,
+        window_first=window_first,
+        chunk_decay=chunk_decay,
+        w=w,
+        u=u,
+        qg=qg,
+        kd=kd,
+        aqk=aqk,
+        unbounded=unbounded,
+        cum_g=None,
+        solve=None,
+        q_norm=None,
+        k_norm=None,
+        pair_limits=None,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        BN=BN,
+        SCALAR_GATE=SCALAR_GATE,
+        USE_GATE=USE_GATE,
+        HAS_DT_BIAS=HAS_DT_BIAS,
+        USE_LOWER_BOUND=USE_LOWER_BOUND,
+        SAFE_GATE=SAFE_GATE,
+        USE_L2NORM=USE_L2NORM,
+        USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+        IS_VARLEN=IS_VARLEN,
+        DOT_PRECISION=DOT_PRECISION,
+        CHUNKS=CHUNKS,
+        BLOCKS=BLOCKS,
+        WINDOW=WINDOW,
+    )
 
 
 @triton.jit
-def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, scale,
-                   lower_bound, length, n_seqs, window_first, chunk_decay, w, u, qg, kd, aqk,
-                   unbounded,
-                   cum_g, solve, q_norm, k_norm, pair_limits,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr,
-                   HAS_DT_BIAS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-                   SAFE_GATE: tl.constexpr, USE_L2NORM: tl.constexpr,
-                   USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, CHUNKS: tl.constexpr,
-                   BLOCKS: tl.constexpr, WINDOW: tl.constexpr = 0):  # fmt: skip
+def prepare_chunks(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    cu_seqlens,
+    chunk_offsets,
+    scale,
+    lower_bound,
+    length,
+    n_seqs,
+    window_first,
+    chunk_decay,
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    unbounded,
+    cum_g,
+    solve,
+    q_norm,
+    k_norm,
+    pair_limits,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
+):
     """The body of a prepare program (a chunk of ``BLOCKS`` row blocks, a value head), for
     ``chunk_prepare_kernel`` and, with the backward's extra outputs (``cum_g`` ...
     ``pair_limits``, or all ``None``; ``cum_g`` alone may be ``None``, when the backward
@@ -360,25 +607,105 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
     i_hv = flat % HV
     i_h = i_hv // (HV // H)
     i_c, start, remaining = program_chunk(
-        flat // HV, window_first=window_first, cu_seqlens=cu_seqlens,
-        chunk_offsets=chunk_offsets, n_seqs=n_seqs, length=length, BN=BN, IS_VARLEN=IS_VARLEN,
-        C=BLOCKS * BLOCK, WINDOW=WINDOW,
-    )  # fmt: skip
+        pid=flat // HV,
+        window_first=window_first,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        n_seqs=n_seqs,
+        length=length,
+        BN=BN,
+        IS_VARLEN=IS_VARLEN,
+        C=BLOCKS * BLOCK,
+        WINDOW=WINDOW,
+    )
     if remaining > 0:
-        # fmt: off
         if CHUNKS == "unbounded":
             if tl.load(unbounded + i_c * HV + i_hv) != 0:
-                _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                               remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g,
-                               solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK, BV,
-                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, False,
-                               USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, BLOCKS)
+                _prepare_chunk(
+                    q=q,
+                    k=k,
+                    v=v,
+                    g=g,
+                    beta=beta,
+                    A_log=A_log,
+                    dt_bias=dt_bias,
+                    scale=scale,
+                    lower_bound=lower_bound,
+                    start=start,
+                    remaining=remaining,
+                    i_c=i_c,
+                    i_h=i_h,
+                    i_hv=i_hv,
+                    chunk_decay=chunk_decay,
+                    w=w,
+                    u=u,
+                    qg=qg,
+                    kd=kd,
+                    aqk=aqk,
+                    cum_g=cum_g,
+                    solve=solve,
+                    q_norm=q_norm,
+                    k_norm=k_norm,
+                    pair_limits=pair_limits,
+                    H=H,
+                    HV=HV,
+                    K=K,
+                    V=V,
+                    BK=BK,
+                    BV=BV,
+                    SCALAR_GATE=SCALAR_GATE,
+                    USE_GATE=USE_GATE,
+                    HAS_DT_BIAS=HAS_DT_BIAS,
+                    USE_LOWER_BOUND=USE_LOWER_BOUND,
+                    SAFE_GATE=False,
+                    USE_L2NORM=USE_L2NORM,
+                    USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+                    DOT_PRECISION=DOT_PRECISION,
+                    BLOCKS=BLOCKS,
+                )
         else:
-            fits = _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                                  remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
-                                  cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
-                                  BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, True,
-                                  USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, BLOCKS)
+            fits = _prepare_chunk(
+                q=q,
+                k=k,
+                v=v,
+                g=g,
+                beta=beta,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                scale=scale,
+                lower_bound=lower_bound,
+                start=start,
+                remaining=remaining,
+                i_c=i_c,
+                i_h=i_h,
+                i_hv=i_hv,
+                chunk_decay=chunk_decay,
+                w=w,
+                u=u,
+                qg=qg,
+                kd=kd,
+                aqk=aqk,
+                cum_g=cum_g,
+                solve=solve,
+                q_norm=q_norm,
+                k_norm=k_norm,
+                pair_limits=pair_limits,
+                H=H,
+                HV=HV,
+                K=K,
+                V=V,
+                BK=BK,
+                BV=BV,
+                SCALAR_GATE=SCALAR_GATE,
+                USE_GATE=USE_GATE,
+                HAS_DT_BIAS=HAS_DT_BIAS,
+                USE_LOWER_BOUND=USE_LOWER_BOUND,
+                SAFE_GATE=True,
+                USE_L2NORM=USE_L2NORM,
+                USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+                DOT_PRECISION=DOT_PRECISION,
+                BLOCKS=BLOCKS,
+            )
             if not SAFE_GATE:
                 if CHUNKS == "bounded":
                     tl.store(unbounded + i_c * HV + i_hv, (fits == 0).to(tl.int8))
@@ -386,12 +713,48 @@ def prepare_chunks(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunk_offsets, 
                 # for any decay (``scalar_diagonal_block``), never redone
                 elif not SCALAR_GATE and fits == 0:
                     tl.debug_barrier()  # the dense pass's stores land first
-                    _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start,
-                                   remaining, i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk,
-                                   cum_g, solve, q_norm, k_norm, pair_limits, H, HV, K, V, BK,
-                                   BV, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND,
-                                   False, USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION,
-                                   BLOCKS)
+                    _prepare_chunk(
+                        q=q,
+                        k=k,
+                        v=v,
+                        g=g,
+                        beta=beta,
+                        A_log=A_log,
+                        dt_bias=dt_bias,
+                        scale=scale,
+                        lower_bound=lower_bound,
+                        start=start,
+                        remaining=remaining,
+                        i_c=i_c,
+                        i_h=i_h,
+                        i_hv=i_hv,
+                        chunk_decay=chunk_decay,
+                        w=w,
+                        u=u,
+                        qg=qg,
+                        kd=kd,
+                        aqk=aqk,
+                        cum_g=cum_g,
+                        solve=solve,
+                        q_norm=q_norm,
+                        k_norm=k_norm,
+                        pair_limits=pair_limits,
+                        H=H,
+                        HV=HV,
+                        K=K,
+                        V=V,
+                        BK=BK,
+                        BV=BV,
+                        SCALAR_GATE=SCALAR_GATE,
+                        USE_GATE=USE_GATE,
+                        HAS_DT_BIAS=HAS_DT_BIAS,
+                        USE_LOWER_BOUND=USE_LOWER_BOUND,
+                        SAFE_GATE=False,
+                        USE_L2NORM=USE_L2NORM,
+                        USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+                        DOT_PRECISION=DOT_PRECISION,
+                        BLOCKS=BLOCKS,
+                    )
 
 
 @triton.jit
@@ -441,14 +804,48 @@ def _inverse_tile(t_diag, acc):
 
 
 @triton.jit
-def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, remaining,
-                   i_c, i_h, i_hv, chunk_decay, w, u, qg, kd, aqk, cum_g, solve, q_norm, k_norm,
-                   pair_limits, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   SCALAR_GATE: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                   USE_LOWER_BOUND: tl.constexpr, SAFE_GATE: tl.constexpr,
-                   USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+def _prepare_chunk(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    scale,
+    lower_bound,
+    start,
+    remaining,
+    i_c,
+    i_h,
+    i_hv,
+    chunk_decay,
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    cum_g,
+    solve,
+    q_norm,
+    k_norm,
+    pair_limits,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     """The prepare kernel's work on one chunk and value head (see the module docstring);
     ``SAFE_GATE``: every diagonal block's decay is known to fit a dense dot. Given ``solve``
     (the backward), also T = (I + A)⁻¹ (fp32 ``[C, C]`` tiles on and below the diagonal at
@@ -480,36 +877,148 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
     # Not pipelined: Triton does not pipeline a loop that holds another loop, and loading
     # the next block ahead by hand takes every register and spills.
     for i_b in tl.range(0, BLOCKS, num_stages=1):
-        # fmt: off
-        raw_g, r_q, r_k, r_v, r_beta = _load_block(q, k, v, g, beta, start, remaining, i_b,
-                                                   i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                                                   H, HV, K, V, SCALAR_GATE)
-        gate_rate, gate_bias = gate_parameters(A_log, dt_bias, i_hv, offs_k, mask_k, K,
-                                               SCALAR_GATE, USE_GATE, HAS_DT_BIAS)
+        raw_g, r_q, r_k, r_v, r_beta = _load_block(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            start=start,
+            remaining=remaining,
+            i_b=i_b,
+            i_h=i_h,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            offs_v=offs_v,
+            mask_v=mask_v,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            SCALAR_GATE=SCALAR_GATE,
+        )
+        gate_rate, gate_bias = gate_parameters(
+            A_log=A_log,
+            dt_bias=dt_bias,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            K=K,
+            SCALAR_GATE=SCALAR_GATE,
+            USE_GATE=USE_GATE,
+            HAS_DT_BIAS=HAS_DT_BIAS,
+        )
         k_in, q_in, k_out, r_beta, rhs_w, rhs_u, a_kk, decay_after = _open_block(
-            raw_g, r_q, r_k, r_v, r_beta, gate_rate, gate_bias, scale, lower_bound, start,
-            remaining, i_b, i_hv, decay_before, offs_k, mask_k, qg, aqk_rows, cum_g, q_norm,
-            k_norm, HV, K, BK, SCALAR_GATE, USE_GATE, HAS_DT_BIAS, USE_LOWER_BOUND, SAFE_GATE,
-            USE_L2NORM, USE_BETA_SIGMOID, DOT_PRECISION, C)
+            raw_g=raw_g,
+            r_q=r_q,
+            r_k=r_k,
+            r_v=r_v,
+            r_beta=r_beta,
+            gate_rate=gate_rate,
+            gate_bias=gate_bias,
+            scale=scale,
+            lower_bound=lower_bound,
+            start=start,
+            remaining=remaining,
+            i_b=i_b,
+            i_hv=i_hv,
+            decay_before=decay_before,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            qg=qg,
+            aqk_rows=aqk_rows,
+            cum_g=cum_g,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            HV=HV,
+            K=K,
+            BK=BK,
+            SCALAR_GATE=SCALAR_GATE,
+            USE_GATE=USE_GATE,
+            HAS_DT_BIAS=HAS_DT_BIAS,
+            USE_LOWER_BOUND=USE_LOWER_BOUND,
+            SAFE_GATE=SAFE_GATE,
+            USE_L2NORM=USE_L2NORM,
+            USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+            DOT_PRECISION=DOT_PRECISION,
+            C=C,
+        )
         bounded: tl.constexpr = USE_L2NORM and USE_BETA_SIGMOID
         inverse = inverse_unit_lower(a_kk, DOT_PRECISION, bounded)
-        key_rows, key_mask = _block_rows(start, remaining, i_b, i_hv, offs_k, mask_k, HV, K)
+        key_rows, key_mask = _block_rows(
+            start=start,
+            remaining=remaining,
+            i_b=i_b,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            HV=HV,
+            K=K,
+        )
         tl.store(kd + key_rows, k_out.to(kd.dtype.element_ty), mask=key_mask)
         for j_b in tl.range(0, i_b, num_stages=1):
-            key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
-            value_rows, value_mask = _block_rows(start, remaining, j_b, i_hv, offs_v, mask_v,
-                                                 HV, V)
+            key_rows, key_mask = _block_rows(
+                start=start,
+                remaining=remaining,
+                i_b=j_b,
+                i_hv=i_hv,
+                offs_k=offs_k,
+                mask_k=mask_k,
+                HV=HV,
+                K=K,
+            )
+            value_rows, value_mask = _block_rows(
+                start=start,
+                remaining=remaining,
+                i_b=j_b,
+                i_hv=i_hv,
+                offs_k=offs_v,
+                mask_k=mask_v,
+                HV=HV,
+                K=V,
+            )
             col_k_out = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32)
             col_w = tl.load(w + key_rows, mask=key_mask, other=0.0)
             col_u = tl.load(u + value_rows, mask=value_mask, other=0.0)
             col_decay_after = tile_row(block_ends, j_b)
-            rhs_w, rhs_u = _eliminate(k_in, q_in, r_beta, decay_before, col_decay_after,
-                                      col_k_out, col_w, col_u, rhs_w, rhs_u, aqk, solve,
-                                      square + i_b * tile + j_b * BLOCK, scale, DOT_PRECISION)
-        _solve_block(inverse, rhs_w, rhs_u, w, u, start, remaining, i_b, i_hv, offs_k, mask_k,
-                     offs_v, mask_v, HV, K, V, DOT_PRECISION,
-                     bounded and BLOCKS == 1 and DOT_PRECISION == "tf32")
-        # fmt: on
+            rhs_w, rhs_u = _eliminate(
+                k_in=k_in,
+                q_in=q_in,
+                r_beta=r_beta,
+                decay_before=decay_before,
+                col_decay_after=col_decay_after,
+                col_k_out=col_k_out,
+                col_w=col_w,
+                col_u=col_u,
+                rhs_w=rhs_w,
+                rhs_u=rhs_u,
+                aqk=aqk,
+                solve=solve,
+                tile_offsets=square + i_b * tile + j_b * BLOCK,
+                scale=scale,
+                DOT_PRECISION=DOT_PRECISION,
+            )
+        _solve_block(
+            inverse=inverse,
+            rhs_w=rhs_w,
+            rhs_u=rhs_u,
+            w=w,
+            u=u,
+            start=start,
+            remaining=remaining,
+            i_b=i_b,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            offs_v=offs_v,
+            mask_v=mask_v,
+            HV=HV,
+            K=K,
+            V=V,
+            DOT_PRECISION=DOT_PRECISION,
+            HALF_W=bounded and BLOCKS == 1 and DOT_PRECISION == "tf32",
+        )
         if solve is not None:
             tl.store(solve + square + i_b * (tile + BLOCK), inverse)
         block_ends = tl.where(blocks[:, None] == i_b, decay_after[None, :], block_ends)
@@ -518,10 +1027,18 @@ def _prepare_chunk(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, start, 
         tl.debug_barrier()  # this block's stores land before the next block reads them
 
     # kd: k decayed to the chunk's end, known only now.
-    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay_before,
-             mask=mask_k)  # fmt: skip
+    tl.store(chunk_decay + (i_c * HV + i_hv).to(tl.int64) * K + offs_k, decay_before, mask=mask_k)
     for j_b in tl.range(0, BLOCKS - 1):  # the last block ends at the chunk's end: already kd
-        key_rows, key_mask = _block_rows(start, remaining, j_b, i_hv, offs_k, mask_k, HV, K)
+        key_rows, key_mask = _block_rows(
+            start=start,
+            remaining=remaining,
+            i_b=j_b,
+            i_hv=i_hv,
+            offs_k=offs_k,
+            mask_k=mask_k,
+            HV=HV,
+            K=K,
+        )
         to_chunk_end = fast_exp(decay_before - tile_row(block_ends, j_b))[None, :]
         b_kd = tl.load(kd + key_rows, mask=key_mask, other=0.0).to(tl.float32) * to_chunk_end
         tl.store(kd + key_rows, b_kd.to(kd.dtype.element_ty), mask=key_mask)

@@ -39,13 +39,23 @@ def launch_chunk_kda_training(
     inputs = inputs.map_tokens(Tensor.contiguous)
     q, v = inputs.q, inputs.v
     layout = plan_layout(inputs, cu_seqlens, options)
-    saved = prepare_backward(inputs, cu_seqlens, options, layout, with_g=keep_rows)
+    saved = prepare_backward(
+        inputs=inputs, cu_seqlens=cu_seqlens, options=options, layout=layout, with_g=keep_rows
+    )
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o = torch.empty_like(v)
-    final_state = q.new_empty(layout.n_seqs, v.shape[2], q.shape[3], v.shape[3],
-                              dtype=torch.float32)  # fmt: skip
-    scan_saved(saved, initial_state, cu_seqlens, layout, o, final_state)
+    final_state = q.new_empty(
+        layout.n_seqs, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32
+    )
+    scan_saved(
+        saved=saved,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        o=o,
+        final_state=final_state,
+    )
     return o, final_state, saved if keep_rows else saved[: -len(ROWS)]
 
 
@@ -75,7 +85,6 @@ def launch_chunk_kda_backward(
     128, bf16, about 2.5 GB besides the outputs."""
     inputs = inputs.map_tokens(Tensor.contiguous)
     q, k, v, g, beta, A_log, dt_bias = inputs
-    scale, lower_bound, use_qk_l2norm, use_beta_sigmoid = options
     grad_o = grad_o.contiguous()
     grad_final_state = grad_final_state.to(torch.float32).contiguous()
     if initial_state is not None:
@@ -87,16 +96,24 @@ def launch_chunk_kda_backward(
     owns_saved = saved is None or len(saved) == len(SavedForBackward._fields)
     if saved is None:  # nothing kept: kernel 1 and the recurrence for the chunk states here
         saved = prepare_backward(inputs, cu_seqlens, options, layout)
-        final_state = q.new_empty(layout.n_seqs, value_heads, head_k, head_v,
-                                  dtype=torch.float32)  # fmt: skip
-        scan_saved(saved, initial_state, cu_seqlens, layout, None, final_state)
+        final_state = q.new_empty(layout.n_seqs, value_heads, head_k, head_v, dtype=torch.float32)
+        scan_saved(
+            saved=saved,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            layout=layout,
+            o=None,
+            final_state=final_state,
+        )
     elif not owns_saved:
-        saved = rebuild_rows(inputs, cu_seqlens, options, saved, layout)
+        saved = rebuild_rows(
+            inputs=inputs, cu_seqlens=cu_seqlens, options=options, kept=saved, layout=layout
+        )
     aqk, solve, chunk_decay, q_norm, k_norm, unbounded, chunk_states, cum_g, w, u, qg, kd = saved
     del saved  # so that, when kernel 1 ran here, u is freed once dead
     n_chunks, block_k = layout.n_chunks, layout.block_k
     f32 = dict(device=q.device, dtype=torch.float32)
-    lower = 0.0 if lower_bound is None else lower_bound
+    lower = 0.0 if options.lower_bound is None else options.lower_bound
     tokens_shape = (batch, length, value_heads)
 
     del u, chunk_decay
@@ -104,8 +121,22 @@ def launch_chunk_kda_backward(
     dv_new = torch.empty(*tokens_shape, head_v, **f32)
     dstates = torch.empty_like(chunk_states)
     d_initial = None if initial_state is None else torch.empty_like(grad_final_state)
-    launch_state_scan(q, w, qg, kd, aqk, cum_g, grad_o, grad_final_state, cu_seqlens, length,
-                      layout, dv_new, dstates, d_initial)  # fmt: skip
+    launch_state_scan(
+        q=q,
+        w=w,
+        qg=qg,
+        kd=kd,
+        aqk=aqk,
+        cum_g=cum_g,
+        grad_o=grad_o,
+        grad_final_state=grad_final_state,
+        cu_seqlens=cu_seqlens,
+        length=length,
+        layout=layout,
+        dv_new=dv_new,
+        dstates=dstates,
+        d_initial=d_initial,
+    )
 
     # The WY kernel's pass 1 to pass 2, v_new and dRu, over qg and kd (dead: only the scan
     # reads them) when K == V.
@@ -121,8 +152,7 @@ def launch_chunk_kda_backward(
     d_a_tiles = d_aqk_tiles = d_a_low = d_aqk_low = None
     if not scalar_gate:
         d_a_tiles = solve if owns_saved else torch.empty_like(solve)
-        d_aqk_tiles = (aqk if owns_saved and aqk.dtype == torch.float32
-                       else torch.empty_like(solve))  # fmt: skip
+        d_aqk_tiles = aqk if owns_saved and aqk.dtype == torch.float32 else torch.empty_like(solve)
     # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
     # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
     # pairs kernel reads every tile from the fp32 buffers.
@@ -135,10 +165,38 @@ def launch_chunk_kda_backward(
     d_cum = torch.empty(*tokens_shape, *(() if scalar_gate else (head_k,)), **f32)
     dv = torch.empty_like(v)
     dbeta_rows = torch.empty(*tokens_shape, **f32)
-    launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states, dstates, grad_o,
-              dv_new, scale, length, layout, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
-              v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows, use_qk_l2norm,
-              use_beta_sigmoid)  # fmt: skip
+    launch_wy(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        cum_g=cum_g,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        w=w,
+        chunk_states=chunk_states,
+        dstates=dstates,
+        grad_o=grad_o,
+        dv_new=dv_new,
+        scale=options.scale,
+        length=length,
+        layout=layout,
+        solve=solve,
+        d_aqk_tiles=d_aqk_tiles,
+        d_a_tiles=d_a_tiles,
+        d_aqk_low=d_aqk_low,
+        d_a_low=d_a_low,
+        v_new_rows=v_new_rows,
+        d_ru_rows=d_ru_rows,
+        dq_hat=dq_hat,
+        dk_hat=dk_hat,
+        d_cum=d_cum,
+        dv=dv,
+        dbeta_rows=dbeta_rows,
+        use_qk_l2norm=options.use_qk_l2norm,
+        use_beta_sigmoid=options.use_beta_sigmoid,
+    )
     # Freed before the pairs and l2norm kernels allocate theirs: the peak stays at this one.
     del w, chunk_states, dstates, dv_new, v_new_rows, d_ru_rows
 
@@ -152,17 +210,48 @@ def launch_chunk_kda_backward(
     dA_log_part = torch.zeros(n_chunks, value_heads, n_gate_k, **f32)
     ddt_part = torch.zeros(n_chunks, value_heads, n_gate_k if scalar_gate else head_k, **f32)
     if not scalar_gate:
-        launch_pairs(q, k, beta, cu_seqlens, cum_g, q_norm, k_norm, d_aqk_tiles, d_a_tiles,
-                     pair_low_tiles, unbounded, length, layout, dq_hat, dk_hat, d_cum,
-                     dbeta_part)  # fmt: skip
+        launch_pairs(
+            q=q,
+            k=k,
+            beta=beta,
+            cu_seqlens=cu_seqlens,
+            cum_g=cum_g,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            d_aqk_tiles=d_aqk_tiles,
+            d_a_tiles=d_a_tiles,
+            pair_low_tiles=pair_low_tiles,
+            unbounded=unbounded,
+            length=length,
+            layout=layout,
+            dq_hat=dq_hat,
+            dk_hat=dk_hat,
+            d_cum=d_cum,
+            dbeta_part=dbeta_part,
+        )
     dbeta = torch.empty_like(beta)
-    launch_gate_backward(g, A_log, dt_bias, beta, cu_seqlens, d_cum, dbeta_rows, dbeta_part,
-                         lower, length, layout, dg, dA_log_part, ddt_part, dbeta,
-                         head_k=head_k)  # fmt: skip
+    launch_gate_backward(
+        g=g,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        d_cum=d_cum,
+        dbeta_rows=dbeta_rows,
+        dbeta_part=dbeta_part,
+        lower=lower,
+        length=length,
+        layout=layout,
+        dg=dg,
+        dA_log_part=dA_log_part,
+        ddt_part=ddt_part,
+        dbeta=dbeta,
+        head_k=head_k,
+    )
     # Grouped value heads share q and k: each head sums its group before the l2norm backward.
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):
-        launch_qk_backward(x, d_unit, dx, use_qk_l2norm)
+        launch_qk_backward(x, d_unit, dx, options.use_qk_l2norm)
 
     if scalar_gate:
         dg = dg.sum(-1).to(g.dtype)

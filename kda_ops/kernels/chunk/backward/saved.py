@@ -44,8 +44,9 @@ class SavedForBackward(NamedTuple):
 ROWS = ("cum_g", "w", "u", "qg", "kd")  # SavedForBackward's last fields
 
 
-def empty_saved(q: Tensor, v: Tensor, n_chunks: int, scalar_gate: bool,
-                with_g: bool = True) -> SavedForBackward:  # fmt: skip
+def empty_saved(
+    q: Tensor, v: Tensor, n_chunks: int, scalar_gate: bool, with_g: bool = True
+) -> SavedForBackward:
     """Uninitialised ``SavedForBackward`` for q ``[B, T, H, K]``, v ``[B, T, HV, V]`` and
     ``n_chunks`` chunk rows (also the training op's fake outputs), G only ``with_g``, one
     a row for a ``scalar_gate``.

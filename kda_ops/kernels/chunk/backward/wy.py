@@ -35,8 +35,9 @@ from kda_ops.kernels.sizes import next_power_of_2
 
 
 @triton.jit
-def _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.constexpr,
-                  dot_dtype: tl.constexpr):  # fmt: skip
+def _scalar_pairs(
+    d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.constexpr, dot_dtype: tl.constexpr
+):
     """A scalar gate's pair matrices, for pass 2 to take by key blocks. With one decay a
     row the pair factor E_ij = e^{G_i - G_j} (<= 1 for i >= j) scales whole ``[C, C]``
     entries, so the pair terms are plain products with the rows: dq̂ += (dAqk ⊙ E) k̂,
@@ -56,8 +57,20 @@ def _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.conste
 
 
 @triton.jit
-def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_beta, d_g,
-                       dot_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _scalar_pair_grads(
+    d_a,
+    d_aqk,
+    d_aqk_diag,
+    b_beta,
+    b_q,
+    b_k,
+    d_q,
+    d_k,
+    d_beta,
+    d_g,
+    dot_dtype: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Adds the pair terms of one key block (``b_q``, ``b_k``: its q̂, k̂ rows fp32) to the
     row gradients (``_scalar_pairs`` made ``d_a``, ``d_aqk``, ``d_aqk_diag``). dG's pair
     part comes from the block's share of P = β (dA ⊙ E) ⊙ (k̂ k̂ᵀ) + (dAqk ⊙ E) ⊙ (q̂ k̂ᵀ)
@@ -74,8 +87,9 @@ def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_bet
     a_rows = tl.dot(d_a, k_low, input_precision=DOT_PRECISION)
     d_q += tl.dot(d_aqk, k_low, input_precision=DOT_PRECISION) + d_aqk_diag[:, None] * b_k
     d_k += b_beta[:, None] * a_rows + d_aqk_diag[:, None] * b_q
-    d_k += tl.dot(tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype),
-                  input_precision=DOT_PRECISION)  # fmt: skip
+    d_k += tl.dot(
+        tl.trans(d_a), (b_beta[:, None] * b_k).to(dot_dtype), input_precision=DOT_PRECISION
+    )
     d_k += tl.dot(tl.trans(d_aqk), q_low, input_precision=DOT_PRECISION)
     d_beta += tl.sum(b_k * a_rows, axis=1)
     key_key = tl.dot(k_low, tl.trans(k_low), input_precision=DOT_PRECISION)
@@ -87,17 +101,53 @@ def _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k, d_q, d_k, d_bet
 
 @triton.jit
 def chunk_bwd_wy_kernel(
-    q, k, v, beta, cu_seqlens, chunk_offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
-    grad_o, dv_new, scale, length, n_seqs,
-    solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low, v_new_rows, d_ru_rows, dq_rows,
-    dk_rows, d_cum_rows, dv, dbeta,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BV_STEP: tl.constexpr, BK_STEP: tl.constexpr,
-    BN: tl.constexpr, CHUNK: tl.constexpr,
-    USE_L2NORM: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr, PAIR_STEP: tl.constexpr,
+    q,
+    k,
+    v,
+    beta,
+    cu_seqlens,
+    chunk_offsets,
+    cum_g,
+    q_norm,
+    k_norm,
+    w,
+    chunk_states,
+    dstates,
+    grad_o,
+    dv_new,
+    scale,
+    length,
+    n_seqs,
+    solve,
+    d_aqk_tiles,
+    d_a_tiles,
+    d_aqk_low,
+    d_a_low,
+    v_new_rows,
+    d_ru_rows,
+    dq_rows,
+    dk_rows,
+    d_cum_rows,
+    dv,
+    dbeta,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BV_STEP: tl.constexpr,
+    BK_STEP: tl.constexpr,
+    BN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
+    PAIR_STEP: tl.constexpr,
     PAIR_STAGES: tl.constexpr,
-):  # fmt: skip
+):
     """For chunk i_c and value head i_hv, on all 64 rows: everything that goes through S,
     dS' and T, in two passes so that no ``[C, K]`` accumulator lives across a loop:
 
@@ -119,8 +169,15 @@ def chunk_bwd_wy_kernel(
     tiles), both stored between the passes."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    start, remaining = locate_chunk(i_c, cu_seqlens, chunk_offsets, n_seqs, length, BN,
-                                    IS_VARLEN)  # fmt: skip
+    start, remaining = locate_chunk(
+        i_c=i_c,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets,
+        n_seqs=n_seqs,
+        length=length,
+        BN=BN,
+        IS_VARLEN=IS_VARLEN,
+    )
     if remaining <= 0:
         return
     offs_k = tl.arange(0, BK)
@@ -138,10 +195,20 @@ def chunk_bwd_wy_kernel(
     key_base = (start * HV + i_hv) * K
     row_offsets = (rows * HV)[:, None]
     in_square = rows[:, None] * CHUNK + rows[None, :]
-    b_beta = load_beta_rows(beta + start * HV, rows, in_seq, i_hv, HV, USE_BETA_SIGMOID)
+    b_beta = load_beta_rows(
+        beta=beta + start * HV,
+        tokens=rows,
+        rows_in=in_seq,
+        i_hv=i_hv,
+        HV=HV,
+        USE_BETA_SIGMOID=USE_BETA_SIGMOID,
+    )
     b_t = tl.load(solve + square + in_square, mask=rows[:, None] >= rows[None, :], other=0.0)
-    b_w = tl.load(w + key_base + row_offsets * K + offs_k[None, :],
-                  mask=in_seq[:, None] & mask_k[None, :], other=0.0).to(dot_dtype)  # fmt: skip
+    b_w = tl.load(
+        w + key_base + row_offsets * K + offs_k[None, :],
+        mask=in_seq[:, None] & mask_k[None, :],
+        other=0.0,
+    ).to(dot_dtype)
     d_aqk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
@@ -150,19 +217,26 @@ def chunk_bwd_wy_kernel(
         mask_v = offs_v < V
         mask_rows_v = in_seq[:, None] & mask_v[None, :]
         value_offsets = row_offsets * V + offs_v[None, :]
-        b_s = tl.load(chunk_states + state + offs_k[:, None] * V + offs_v[None, :],
-                      mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+        b_s = tl.load(
+            chunk_states + state + offs_k[:, None] * V + offs_v[None, :],
+            mask=mask_k[:, None] & mask_v[None, :],
+            other=0.0,
+        )
         b_v = tl.load(v + value_base + value_offsets, mask=mask_rows_v, other=0.0).to(tl.float32)
-        b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
-                       other=0.0).to(dot_dtype)  # fmt: skip
+        b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v, other=0.0).to(
+            dot_dtype
+        )
         b_dvn = tl.load(dv_new + value_base + value_offsets, mask=mask_rows_v, other=0.0)
         b_u = tl.dot(b_t, b_beta[:, None] * b_v, input_precision=DOT_PRECISION)
         v_new_f32 = b_u - tl.dot(b_w, b_s.to(dot_dtype), input_precision=DOT_PRECISION)
         v_new = v_new_f32.to(dot_dtype)
         d_aqk += tl.dot(b_do, tl.trans(v_new), input_precision=DOT_PRECISION)
         d_ru = tl.dot(tl.trans(b_t), b_dvn, input_precision=DOT_PRECISION)
-        tl.store(dv + value_base + value_offsets,
-                 (b_beta[:, None] * d_ru).to(dv.dtype.element_ty), mask=mask_rows_v)  # fmt: skip
+        tl.store(
+            dv + value_base + value_offsets,
+            (b_beta[:, None] * d_ru).to(dv.dtype.element_ty),
+            mask=mask_rows_v,
+        )
         tl.store(v_new_rows + value_base + value_offsets, v_new, mask=mask_rows_v)
         tl.store(d_ru_rows + value_base + value_offsets, d_ru.to(dot_dtype), mask=mask_rows_v)
         d_beta += tl.sum(d_ru * b_v, axis=1)
@@ -173,11 +247,34 @@ def chunk_bwd_wy_kernel(
     q_chunk = q + start * H * K
     k_chunk = k + start * H * K
     cum_chunk = cum_g + start * HV * (1 if SCALAR_GATE else K)  # G one a row if scalar
-    q_factors = stored_norms(q_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
-    k_factors = stored_norms(k_norm + start * HV, rows, in_seq, i_hv, HV, USE_L2NORM)
+    q_factors = stored_norms(
+        norm=q_norm + start * HV,
+        tokens=rows,
+        rows_in=in_seq,
+        i_hv=i_hv,
+        HV=HV,
+        USE_L2NORM=USE_L2NORM,
+    )
+    k_factors = stored_norms(
+        norm=k_norm + start * HV,
+        tokens=rows,
+        rows_in=in_seq,
+        i_hv=i_hv,
+        HV=HV,
+        USE_L2NORM=USE_L2NORM,
+    )
     if SCALAR_GATE:  # the pair terms here (``_scalar_pair_grads``), not in the pairs kernel
-        d_a, d_aqk, d_aqk_diag = _scalar_pairs(d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv,
-                                               HV, dot_dtype)  # fmt: skip
+        d_a, d_aqk, d_aqk_diag = _scalar_pairs(
+            d_a=d_a,
+            d_aqk=d_aqk,
+            cum_chunk=cum_chunk,
+            rows=rows,
+            in_seq=in_seq,
+            last=last,
+            i_hv=i_hv,
+            HV=HV,
+            dot_dtype=dot_dtype,
+        )
         d_g = tl.zeros([CHUNK], dtype=tl.float32)
         # The pair terms by key blocks into the row gradients, before pass 2 adds its own:
         # the pair matrices are dead by then, leaving pass 2's value tiles the registers.
@@ -185,14 +282,43 @@ def chunk_bwd_wy_kernel(
             offs_kb = i_k * PAIR_STEP + tl.arange(0, PAIR_STEP)
             mask_rows_kb = in_seq[:, None] & (offs_kb < K)[None, :]
             key_offsets = row_offsets * K + offs_kb[None, :]
-            b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
-            b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            b_q = load_unit_rows(
+                x=q_chunk,
+                tokens=rows,
+                rows_in=in_seq,
+                i_h=i_h,
+                H=H,
+                K=K,
+                offs_k=offs_kb,
+                USE_L2NORM=False,
+            )
+            b_k = load_unit_rows(
+                x=k_chunk,
+                tokens=rows,
+                rows_in=in_seq,
+                i_h=i_h,
+                H=H,
+                K=K,
+                offs_k=offs_kb,
+                USE_L2NORM=False,
+            )
             b_q *= q_factors[:, None]
             b_k *= k_factors[:, None]
             zeros = tl.zeros([CHUNK, PAIR_STEP], dtype=tl.float32)
-            d_q, d_k, d_beta, d_g = _scalar_pair_grads(d_a, d_aqk, d_aqk_diag, b_beta, b_q, b_k,
-                                                       zeros, zeros, d_beta, d_g, dot_dtype,
-                                                       DOT_PRECISION)  # fmt: skip
+            d_q, d_k, d_beta, d_g = _scalar_pair_grads(
+                d_a=d_a,
+                d_aqk=d_aqk,
+                d_aqk_diag=d_aqk_diag,
+                b_beta=b_beta,
+                b_q=b_q,
+                b_k=b_k,
+                d_q=zeros,
+                d_k=zeros,
+                d_beta=d_beta,
+                d_g=d_g,
+                dot_dtype=dot_dtype,
+                DOT_PRECISION=DOT_PRECISION,
+            )
             tl.store(dq_rows + key_base + key_offsets, d_q, mask=mask_rows_kb)
             tl.store(dk_rows + key_base + key_offsets, d_k, mask=mask_rows_kb)
         tl.debug_barrier()  # pass 2 reads what other threads stored
@@ -211,8 +337,7 @@ def chunk_bwd_wy_kernel(
     mask_v = offs_v < V
     mask_rows_v = in_seq[:, None] & mask_v[None, :]
     value_offsets = row_offsets * V + offs_v[None, :]
-    b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v,
-                   other=0.0).to(dot_dtype)  # fmt: skip
+    b_do = tl.load(grad_o + value_base + value_offsets, mask=mask_rows_v, other=0.0).to(dot_dtype)
     v_new = tl.load(v_new_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
     d_ru = tl.load(d_ru_rows + value_base + value_offsets, mask=mask_rows_v, other=0.0)
     for i_k in range(0, tl.cdiv(K, BK_STEP)):
@@ -235,11 +360,39 @@ def chunk_bwd_wy_kernel(
             b_cum = tl.load(cum_chunk + rows * HV + i_hv, mask=in_seq, other=0.0)
             b_cum = tl.where(in_seq, b_cum, cum_end)[:, None] + tl.zeros([1, BK_STEP], tl.float32)
         else:
-            cum_last = tl.load(cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb,
-                               other=0.0)  # fmt: skip
-            b_cum = load_cum_rows(cum_chunk, rows, in_seq, i_hv, HV, K, offs_kb, cum_last)
-        b_q = load_unit_rows(q_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
-        b_k = load_unit_rows(k_chunk, rows, in_seq, i_h, H, K, offs_kb, False)
+            cum_last = tl.load(
+                cum_chunk + (last * HV + i_hv) * K + offs_kb, mask=mask_kb, other=0.0
+            )
+            b_cum = load_cum_rows(
+                cum_g=cum_chunk,
+                tokens=rows,
+                rows_in=in_seq,
+                i_hv=i_hv,
+                HV=HV,
+                K=K,
+                offs_k=offs_kb,
+                cum_last=cum_last,
+            )
+        b_q = load_unit_rows(
+            x=q_chunk,
+            tokens=rows,
+            rows_in=in_seq,
+            i_h=i_h,
+            H=H,
+            K=K,
+            offs_k=offs_kb,
+            USE_L2NORM=False,
+        )
+        b_k = load_unit_rows(
+            x=k_chunk,
+            tokens=rows,
+            rows_in=in_seq,
+            i_h=i_h,
+            H=H,
+            K=K,
+            offs_k=offs_kb,
+            USE_L2NORM=False,
+        )
         b_q *= q_factors[:, None]
         b_k *= k_factors[:, None]
         gamma = tl.exp(b_cum)
@@ -297,14 +450,46 @@ def wy_launch(block_k: int, block_v: int, itemsize: int) -> WyLaunch:
     wide_v = block_v > 128
     value_step = WY_VALUE_STEP if block_k <= 128 else WY_VALUE_STEP // 2
     key_step = WY_KEY_STEP // 2 if wide_v and itemsize > 2 else WY_KEY_STEP
-    return WyLaunch(value_step=min(block_v, value_step), key_step=min(block_k, key_step),
-                    warps=8 if wide_v else 4, stages=WY_STAGES if itemsize <= 2 else 1)  # fmt: skip
+    return WyLaunch(
+        value_step=min(block_v, value_step),
+        key_step=min(block_k, key_step),
+        warps=8 if wide_v else 4,
+        stages=WY_STAGES if itemsize <= 2 else 1,
+    )
 
 
-def launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states, dstates,
-              grad_o, dv_new, scale, length, layout: Layout, solve, d_aqk_tiles, d_a_tiles,
-              d_aqk_low, d_a_low, v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv,
-              dbeta_rows, use_qk_l2norm: bool, use_beta_sigmoid: bool) -> None:  # fmt: skip
+def launch_wy(
+    q,
+    k,
+    v,
+    beta,
+    cu_seqlens,
+    cum_g,
+    q_norm,
+    k_norm,
+    w,
+    chunk_states,
+    dstates,
+    grad_o,
+    dv_new,
+    scale,
+    length,
+    layout: Layout,
+    solve,
+    d_aqk_tiles,
+    d_a_tiles,
+    d_aqk_low,
+    d_a_low,
+    v_new_rows,
+    d_ru_rows,
+    dq_hat,
+    dk_hat,
+    d_cum,
+    dv,
+    dbeta_rows,
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> None:
     """``chunk_bwd_wy_kernel`` over every chunk and value head (its outputs as there), as
     ``wy_launch`` configures it."""
     heads, head_k = q.shape[2], q.shape[3]
@@ -313,13 +498,52 @@ def launch_wy(q, k, v, beta, cu_seqlens, cum_g, q_norm, k_norm, w, chunk_states,
     block_k, block_v, precision = layout.block_k, layout.block_v, layout.flags["DOT_PRECISION"]
     wy = wy_launch(block_k, block_v, q.element_size())
     chunk_bwd_wy_kernel[(n_chunks, value_heads)](
-        q, k, v, beta, cu_seqlens, offsets, cum_g, q_norm, k_norm, w, chunk_states, dstates,
-        grad_o, dv_new, scale, length, n_seqs, solve, d_aqk_tiles, d_a_tiles, d_aqk_low, d_a_low,
-        v_new_rows, d_ru_rows, dq_hat, dk_hat, d_cum, dv, dbeta_rows,
-        H=heads, HV=value_heads, K=head_k, V=head_v, BK=block_k, BV=block_v,
-        BV_STEP=wy.value_step, BK_STEP=wy.key_step, BN=next_power_of_2(n_seqs), CHUNK=CHUNK,
-        USE_L2NORM=use_qk_l2norm, USE_BETA_SIGMOID=use_beta_sigmoid,
-        IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=precision,
-        SCALAR_GATE=layout.flags["SCALAR_GATE"], PAIR_STEP=wy.pair_step,
-        PAIR_STAGES=wy.pair_stages, num_warps=wy.warps, num_stages=wy.stages,
-    )  # fmt: skip
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets,
+        cum_g=cum_g,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        w=w,
+        chunk_states=chunk_states,
+        dstates=dstates,
+        grad_o=grad_o,
+        dv_new=dv_new,
+        scale=scale,
+        length=length,
+        n_seqs=n_seqs,
+        solve=solve,
+        d_aqk_tiles=d_aqk_tiles,
+        d_a_tiles=d_a_tiles,
+        d_aqk_low=d_aqk_low,
+        d_a_low=d_a_low,
+        v_new_rows=v_new_rows,
+        d_ru_rows=d_ru_rows,
+        dq_rows=dq_hat,
+        dk_rows=dk_hat,
+        d_cum_rows=d_cum,
+        dv=dv,
+        dbeta=dbeta_rows,
+        H=heads,
+        HV=value_heads,
+        K=head_k,
+        V=head_v,
+        BK=block_k,
+        BV=block_v,
+        BV_STEP=wy.value_step,
+        BK_STEP=wy.key_step,
+        BN=next_power_of_2(n_seqs),
+        CHUNK=CHUNK,
+        USE_L2NORM=use_qk_l2norm,
+        USE_BETA_SIGMOID=use_beta_sigmoid,
+        IS_VARLEN=cu_seqlens is not None,
+        DOT_PRECISION=precision,
+        SCALAR_GATE=layout.flags["SCALAR_GATE"],
+        PAIR_STEP=wy.pair_step,
+        PAIR_STAGES=wy.pair_stages,
+        num_warps=wy.warps,
+        num_stages=wy.stages,
+    )
