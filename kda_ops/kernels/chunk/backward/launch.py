@@ -145,7 +145,7 @@ def launch_chunk_kda_backward(
     else:
         v_new_rows, d_ru_rows = (q.new_empty(*tokens_shape, head_v) for _ in range(2))
     del qg, kd
-    scalar_gate = g.dim() == 3
+    scalar_gate = layout.flags["SCALAR_GATE"]
     # dA and scale·dAqk (fp32) for the pairs kernel, over T and Aqk (read no more) unless
     # another backward may need them; over Aqk only where it is fp32 (it is kept in the dot
     # dtype). The scalar gate's pair terms stay in the WY kernel: no tiles.
@@ -153,13 +153,11 @@ def launch_chunk_kda_backward(
     if not scalar_gate:
         d_a_tiles = solve if owns_saved else torch.empty_like(solve)
         d_aqk_tiles = aqk if owns_saved and aqk.dtype == torch.float32 else torch.empty_like(solve)
-    # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 / fp16),
-    # loaded up front (they enter its dots in that dtype anyway). fp32 inputs: none, the
-    # pairs kernel reads every tile from the fp32 buffers.
-    pair_low_tiles = (d_aqk_tiles, d_a_tiles)
-    if not scalar_gate and q.dtype != torch.float32:
-        d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
-        pair_low_tiles = (d_aqk_low, d_a_low)
+        # The pairs kernel's off-diagonal tiles in the dot dtype: half the bytes (bf16 /
+        # fp16), loaded up front (they enter its dots in that dtype anyway). fp32 inputs:
+        # none, the pairs kernel reads every tile from the fp32 buffers.
+        if q.dtype != torch.float32:
+            d_a_low, d_aqk_low = (torch.empty_like(solve, dtype=q.dtype) for _ in range(2))
     dq_hat, dk_hat = (torch.empty(*tokens_shape, head_k, **f32) for _ in range(2))
     # dG: one a row for the scalar gate (the WY kernel sums the key columns).
     d_cum = torch.empty(*tokens_shape, *(() if scalar_gate else (head_k,)), **f32)
@@ -220,7 +218,7 @@ def launch_chunk_kda_backward(
             k_norm=k_norm,
             d_aqk_tiles=d_aqk_tiles,
             d_a_tiles=d_a_tiles,
-            pair_low_tiles=pair_low_tiles,
+            pair_low_tiles=(d_aqk_tiles, d_a_tiles) if d_a_low is None else (d_aqk_low, d_a_low),
             unbounded=unbounded,
             length=length,
             layout=layout,
@@ -253,13 +251,12 @@ def launch_chunk_kda_backward(
     for x, d_unit, dx in ((q, dq_hat, dq), (k, dk_hat, dk)):
         launch_qk_backward(x, d_unit, dx, options.use_qk_l2norm)
 
-    if scalar_gate:
-        dg = dg.sum(-1).to(g.dtype)
+    if scalar_gate:  # one share: the gate kernel takes every key column in one program
+        dg = dg.squeeze(-1).to(g.dtype)
     # A fresh empty tensor for each absent input: an op's outputs may not alias.
     d_A_log = q.new_empty(0) if A_log is None else dA_log_part.sum((0, 2)).to(A_log.dtype)
+    # [HV, K] for the per-channel gate, [HV, 1] for the scalar one: dt_bias's layout either way.
     d_dt = ddt_part.sum(0)
-    if scalar_gate:
-        d_dt = d_dt.sum(-1)
     d_dt_bias = q.new_empty(0) if dt_bias is None else d_dt.flatten().to(dt_bias.dtype)
     d_initial = q.new_empty(0) if d_initial is None else d_initial.to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, d_A_log, d_dt_bias, d_initial
