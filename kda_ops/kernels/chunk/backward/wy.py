@@ -35,6 +35,30 @@ from kda_ops.kernels.sizes import next_power_of_2
 
 
 @triton.jit
+def _normed_query_key_rows(
+    q_chunk,
+    k_chunk,
+    q_factors,
+    k_factors,
+    rows,
+    in_seq,
+    i_h,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    offs_k,
+):
+    """The chunk's rows of q and k on the key columns ``offs_k``, fp32, times their whole
+    rows' l2norm factors (``stored_norms``, loaded once a program)."""
+    b_q = load_unit_rows(
+        x=q_chunk, tokens=rows, rows_in=in_seq, i_h=i_h, H=H, K=K, offs_k=offs_k, USE_L2NORM=False
+    )
+    b_k = load_unit_rows(
+        x=k_chunk, tokens=rows, rows_in=in_seq, i_h=i_h, H=H, K=K, offs_k=offs_k, USE_L2NORM=False
+    )
+    return b_q * q_factors[:, None], b_k * k_factors[:, None]
+
+
+@triton.jit
 def _scalar_pairs(
     d_a, d_aqk, cum_chunk, rows, in_seq, last, i_hv, HV: tl.constexpr, dot_dtype: tl.constexpr
 ):
@@ -282,28 +306,18 @@ def chunk_bwd_wy_kernel(
             offs_kb = i_k * PAIR_STEP + tl.arange(0, PAIR_STEP)
             mask_rows_kb = in_seq[:, None] & (offs_kb < K)[None, :]
             key_offsets = row_offsets * K + offs_kb[None, :]
-            b_q = load_unit_rows(
-                x=q_chunk,
-                tokens=rows,
-                rows_in=in_seq,
+            b_q, b_k = _normed_query_key_rows(
+                q_chunk=q_chunk,
+                k_chunk=k_chunk,
+                q_factors=q_factors,
+                k_factors=k_factors,
+                rows=rows,
+                in_seq=in_seq,
                 i_h=i_h,
                 H=H,
                 K=K,
                 offs_k=offs_kb,
-                USE_L2NORM=False,
             )
-            b_k = load_unit_rows(
-                x=k_chunk,
-                tokens=rows,
-                rows_in=in_seq,
-                i_h=i_h,
-                H=H,
-                K=K,
-                offs_k=offs_kb,
-                USE_L2NORM=False,
-            )
-            b_q *= q_factors[:, None]
-            b_k *= k_factors[:, None]
             zeros = tl.zeros([CHUNK, PAIR_STEP], dtype=tl.float32)
             d_q, d_k, d_beta, d_g = _scalar_pair_grads(
                 d_a=d_a,
@@ -373,28 +387,18 @@ def chunk_bwd_wy_kernel(
                 offs_k=offs_kb,
                 cum_last=cum_last,
             )
-        b_q = load_unit_rows(
-            x=q_chunk,
-            tokens=rows,
-            rows_in=in_seq,
+        b_q, b_k = _normed_query_key_rows(
+            q_chunk=q_chunk,
+            k_chunk=k_chunk,
+            q_factors=q_factors,
+            k_factors=k_factors,
+            rows=rows,
+            in_seq=in_seq,
             i_h=i_h,
             H=H,
             K=K,
             offs_k=offs_kb,
-            USE_L2NORM=False,
         )
-        b_k = load_unit_rows(
-            x=k_chunk,
-            tokens=rows,
-            rows_in=in_seq,
-            i_h=i_h,
-            H=H,
-            K=K,
-            offs_k=offs_kb,
-            USE_L2NORM=False,
-        )
-        b_q *= q_factors[:, None]
-        b_k *= k_factors[:, None]
         gamma = tl.exp(b_cum)
         to_end = tl.exp(cum_last[None, :] - b_cum)
         d_beta += tl.sum(d_rw * b_k * gamma, axis=1)
